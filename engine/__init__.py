@@ -1,0 +1,10 @@
+"""Kev's engine: many isolated questions, one packed forward per step. Imports no Kafka, no asyncio."""
+
+from engine.core import EngineCore, QuestionRejected, StepEvents, TokenDelta
+from engine.engine import Engine, Handle
+from engine.model import Model, load_model
+from engine.options import EngineOptions
+from engine.pipeline import Answer, IsolatedBatchPipeline
+
+__all__ = ["Answer", "Engine", "Handle", "EngineCore", "EngineOptions", "IsolatedBatchPipeline", "Model", "QuestionRejected",
+           "StepEvents", "TokenDelta", "load_model"]

@@ -1,0 +1,211 @@
+"""EngineCore: the synchronous engine. One `step()` is one packed forward over every scheduled question.
+
+Single-threaded by design; `Engine` (engine/engine.py) runs it on its own thread for async callers,
+and `IsolatedBatchPipeline` drives it in a plain loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from engine.audit import forward_summary, violations
+from engine.block_pool import BlockPool
+from engine.defaults import DefaultsRegistry
+from engine.detokenizer import TextStream
+from engine.flash import FlashAttention, flash_available
+from engine.kv_cache import KVCache, plan_num_blocks
+from engine.options import EngineOptions
+from engine.prompt import encode_prompt
+from engine.runner import ModelRunner
+from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
+from engine.sequence import Sequence, Status
+from schemas import AnswerEvent, Audit, QuestionEvent, Timings, Usage, error_answer
+
+log = structlog.get_logger("kev.engine")
+
+
+class QuestionRejected(Exception):
+    """The question cannot run; it gets an error answer with this code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    question_id: str
+    token_id: int
+    text: str  # newly settled text (may be empty while a character or stop string is pending)
+
+
+@dataclass
+class StepEvents:
+    deltas: list[TokenDelta] = field(default_factory=list)
+    answers: list[AnswerEvent] = field(default_factory=list)  # questions that ended this step
+
+
+class EngineCore:
+    def __init__(self, model, options: EngineOptions | None = None, attention=None):
+        """`attention`: a backend class taking the KVCache; default flash-attn on CUDA, else torch SDPA."""
+        options = options or EngineOptions()
+        self.model = model
+        self.options = options
+        if attention is None and flash_available(model.device):
+            attention = FlashAttention
+        self.block_size = _block_size(options, attention)
+        num_blocks = plan_num_blocks(model.spec, model.dtype, model.device, self.block_size,
+                                     num_blocks=options.num_blocks, budget_bytes=options.kv_budget_bytes,
+                                     memory_fraction=options.memory_fraction)
+        self.pool = BlockPool(num_blocks, self.block_size)
+        self.kv = KVCache(model.spec, num_blocks, self.block_size, model.dtype, model.device)
+        model.weights.set_deterministic(options.deterministic)
+        self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None)
+        self.scheduler = Scheduler(self.pool, _limits(options))
+        self.defaults = DefaultsRegistry(options.defaults)
+        self.stop_token_ids = tuple(model.spec.eos_token_ids)
+        self._questions: dict[str, QuestionEvent] = {}
+        self._streams: dict[str, TextStream] = {}
+        self._sequences: dict[str, Sequence] = {}
+        self.num_forwards = 0
+        self.num_generated = 0
+
+    # -- intake --------------------------------------------------------------------------------
+    def add(self, question: QuestionEvent, prompt_ids: list[int] | None = None,
+            arrival: float | None = None) -> Sequence:
+        """Queue a question; raises QuestionRejected with a code the caller turns into an error answer."""
+        qid = question.question_id
+        if qid in self._sequences:
+            raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
+        if question.adapter:
+            raise QuestionRejected("unknown_adapter", f"adapter {question.adapter!r} is not loaded")
+        arrival = time.monotonic() if arrival is None else arrival
+        seq = Sequence(
+            question_id=qid,
+            prompt_ids=prompt_ids if prompt_ids is not None else encode_prompt(self.model.tokenizer, question),
+            params=self.defaults.resolve(question.params, self.stop_token_ids),
+            priority=question.priority,
+            deadline=arrival + question.timeout_ms / 1000 if question.timeout_ms else None,
+            arrival=arrival,
+        )
+        try:
+            self.scheduler.add(seq)
+        except PromptTooLong as exc:
+            raise QuestionRejected("prompt_too_long", str(exc)) from None
+        except Overloaded as exc:
+            raise QuestionRejected("overloaded", str(exc)) from None
+        self._questions[qid], self._sequences[qid] = question, seq
+        self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
+        return seq
+
+    def cancel(self, question_id: str) -> bool:
+        return self.scheduler.cancel(question_id)
+
+    def has_room(self) -> bool:
+        return self.scheduler.has_room()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def wait_time(self) -> float | None:
+        return self.scheduler.wait_time()
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> StepEvents:
+        plan = self.scheduler.schedule()
+        events = StepEvents()
+        if plan:
+            out = self.runner.execute(plan)
+            self._audit(plan, out.segments)
+            new_tokens = self.scheduler.update(plan, out.sampled)
+            events.deltas = self._detokenize(new_tokens)
+        events.answers = [self._answer(seq) for seq in self.scheduler.take_finished()]
+        return events
+
+    def _detokenize(self, new_tokens: list[tuple[Sequence, int]]) -> list[TokenDelta]:
+        deltas = []
+        self.num_generated += len(new_tokens)
+        for seq, token in new_tokens:
+            stream = self._streams[seq.question_id]
+            deltas.append(TokenDelta(seq.question_id, token, stream.push(token)))
+            if stream.stopped:  # a stop string ended it: free its blocks this very step
+                self.scheduler.finish(seq, Status.STOPPED)
+        return deltas
+
+    def _answer(self, seq: Sequence) -> AnswerEvent:
+        qid = seq.question_id
+        question, stream = self._questions.pop(qid), self._streams.pop(qid)
+        del self._sequences[qid]
+        stream.finish()
+        return AnswerEvent(
+            question_id=qid,
+            request_id=question.request_id,
+            text=stream.text,
+            token_ids=tuple(seq.output_ids),
+            finish_reason=seq.status.finish_reason,
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids)),
+            timings=_timings(seq),
+            audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
+                        steps=seq.steps, batch_sizes=_compact(seq.batch_sizes),
+                        defaults_version=seq.params.defaults_version),
+        )
+
+    def _audit(self, plan, segments) -> None:
+        self.num_forwards += 1
+        if not self.options.audit:
+            return
+        record = forward_summary(self.num_forwards, [c.seq.question_id for c in plan.chunks], segments,
+                                 self.block_size, routing=self.options.debug)
+        problems = violations(record)
+        if problems:
+            log.error("forward.isolation_violation", problems=problems, **record)
+        else:
+            log.debug("forward.mask", **record)
+
+
+def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:
+    return error_answer(question.question_id, question.request_id, exc.code, exc.message)
+
+
+def _limits(options: EngineOptions) -> SchedulerLimits:
+    return SchedulerLimits(
+        max_running=options.max_batch_size,
+        max_tokens_per_step=options.max_tokens_per_step,
+        max_context=options.max_context,
+        capacity_tokens=options.kv_slot_capacity,
+        max_waiting=options.max_waiting,
+        batch_window_s=options.batch_window_ms / 1000,
+        policy=options.policy,
+        overflow=options.overflow_policy,
+        length_aware=options.length_aware,
+        early_stop=options.early_stop,
+    )
+
+
+def _block_size(options: EngineOptions, attention) -> int:
+    needs = getattr(attention, "block_size_multiple", 1)
+    if options.block_size % needs:
+        log.info("kv.block_size_adjusted", configured=options.block_size, used=needs, backend=attention.name)
+        return needs
+    return options.block_size
+
+
+def _timings(seq: Sequence) -> Timings:
+    def ms(t):
+        return None if t is None else round((t - seq.arrival) * 1000, 3)
+
+    return Timings(queued_ms=ms(seq.admitted_at) or 0.0, ttft_ms=ms(seq.first_token_at),
+                   e2e_ms=ms(seq.finished_at) or 0.0)
+
+
+def _compact(sizes: list[int]) -> tuple[int, ...]:
+    """Batch sizes seen, one entry per change, so a long answer's audit stays short."""
+    out: list[int] = []
+    for size in sizes:
+        if not out or out[-1] != size:
+            out.append(size)
+    return tuple(out)

@@ -1,0 +1,56 @@
+"""Incremental detokenizing with stop strings: text grows token by token, never with half a character."""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what a tokenizer prints for an unfinished UTF-8 sequence
+CONTEXT_TOKENS = 5  # earlier tokens decoded alongside the new ones, so leading spaces come out right
+
+
+class TextStream:
+    """Decodes one question's output; `push` returns the new text that is safe to show."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far, a stop string cut off
+        self.emitted = 0  # chars of `text` already handed out
+        self.stopped = False
+        self._prefix = 0  # ids[_prefix:_read] were decoded last time, as context
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        window = self._decode(self.ids[self._prefix :])
+        if window.endswith(REPLACEMENT):  # wait for the rest of the character
+            return ""
+        previous = self._decode(self.ids[self._prefix : self._read])
+        self.text += window[len(previous) :]
+        self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
+        self._read = len(self.ids)
+        self._cut_stop_string(len(window) - len(previous))
+        return self._take(final=self.stopped)
+
+    def finish(self) -> str:
+        """The rest of the text, once the question has ended."""
+        return self._take(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _cut_stop_string(self, added: int) -> None:
+        longest = max((len(s) for s in self.stop), default=0)
+        if not longest:
+            return
+        start = max(0, len(self.text) - added - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _take(self, final: bool) -> str:
+        # Hold back a possible start of a stop string until the next token settles it.
+        hold = 0 if final else max((len(s) - 1 for s in self.stop), default=0)
+        end = max(self.emitted, len(self.text) - hold)
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta

@@ -1,0 +1,53 @@
+"""Turns a StepPlan into one packed forward and the next token of every question that draws one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import Segment, TorchAttention
+from engine.kv_cache import KVCache
+from engine.sampler import Sampler, SampleRow
+from engine.scheduler import StepPlan
+
+
+@dataclass
+class StepOutput:
+    sampled: list[int]  # one token per sampled chunk, in plan order
+    segments: list[Segment]  # what the forward packed, for the isolation audit
+
+
+def segments_of(plan: StepPlan) -> list[Segment]:
+    segments, row = [], 0
+    for chunk in plan.chunks:
+        segments.append(Segment(row, chunk.length, chunk.start + chunk.length, tuple(chunk.seq.block_ids)))
+        row += chunk.length
+    return segments
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCache, attention=None, sampler: Sampler | None = None):
+        self.model = model
+        self.weights = model.weights
+        self.kv = kv
+        self.attention = attention or TorchAttention(kv, per_segment=model.weights.deterministic)
+        self.sampler = sampler or Sampler()
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        segments = segments_of(plan)
+        token_ids, positions = [], []
+        for chunk in plan.chunks:
+            token_ids += chunk.token_ids
+            positions += range(chunk.start, chunk.start + chunk.length)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.weights.forward(ids, pos, self.attention.prepare(segments))
+        sample_rows = [s.q_start + s.q_len - 1 for s, c in zip(segments, plan.chunks) if c.sample]
+        if not sample_rows:
+            return StepOutput([], segments)
+        logits = self.weights.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_tokens) for c in plan.sampled_chunks]
+        return StepOutput(self.sampler.sample(logits, rows), segments)

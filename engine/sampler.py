@@ -1,0 +1,71 @@
+"""Per-row sampling: each question's own temperature, top-k, top-p, repetition penalty and seed.
+
+A sampled row draws with the Gumbel-max trick, its noise from a generator seeded by
+(question seed, token position) alone, so the draw never depends on which rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import SamplingParams
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    history: list[int]  # prompt + output so far: what the repetition penalty looks at
+    position: int  # index of the token being drawn; with the seed it fixes this draw's noise
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): well-mixed, stable across runs and machines."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+        logits = logits.float()
+        for i, row in enumerate(rows):
+            if row.params.repetition_penalty != 1.0:
+                _penalize(logits[i], row.history, row.params.repetition_penalty)
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, row in enumerate(rows):
+            if not row.params.greedy:
+                tokens[i] = _draw(logits[i], row)
+        return tokens
+
+
+def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
+    # As transformers does: shrink the logit of every token already seen, whatever its sign.
+    seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _draw(logits: torch.Tensor, row: SampleRow) -> int:
+    params = row.params
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        scores = _top_p(scores, params.top_p)
+    generator = torch.Generator(device=logits.device).manual_seed(noise_seed(params.seed or 0, row.position))
+    uniform = torch.rand(scores.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
+    return int((scores - torch.log(-torch.log(uniform))).argmax())
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    ordered, order = torch.sort(scores, descending=True)
+    probs = ordered.softmax(-1)
+    # Drop a token once the ones before it already cover top_p; the most likely token always stays.
+    drop = probs.cumsum(-1) - probs > top_p
+    return scores.index_fill(0, order[drop], float("-inf"))

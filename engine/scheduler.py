@@ -1,0 +1,281 @@
+"""Iteration-level scheduling: every step admits, preempts and evicts questions over a fixed block pool.
+
+No torch, no asyncio: the scheduler is plain bookkeeping, so its tests run on exact block ids.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence, Status
+
+Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
+OverflowPolicy = Literal["wait", "queue", "reject"]
+
+
+class Overloaded(Exception):
+    """The engine cannot take this question now (overflow policy `queue` or `reject`)."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt alone does not fit one question's context or KV capacity."""
+
+
+@dataclass
+class Chunk:
+    """One question's share of a step: tokens [start, start + length) of its sequence."""
+
+    seq: Sequence
+    start: int  # tokens already in this question's cache; also its first position this step
+    length: int  # tokens computed this step (1 for a decode)
+    sample: bool  # True when the chunk reaches the end of the known tokens, so a next token is drawn
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.length]
+
+
+@dataclass
+class StepPlan:
+    """Everything the runner needs for one packed forward; it sees nothing else."""
+
+    chunks: list[Chunk] = field(default_factory=list)  # flat-token order: chunk i's tokens follow chunk i-1's
+    preempted: list[Sequence] = field(default_factory=list)  # evicted this step; they will recompute later
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def sampled_chunks(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.sample]
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running: int = 32  # questions in the batch at once ("max_parallel_queries")
+    max_tokens_per_step: int = 2048  # prompt tokens + decode tokens in one forward (chunked prefill)
+    max_context: int = 2048  # positions a question may reach, prompt included
+    capacity_tokens: int | None = None  # KV tokens one question may hold ("kv_slot_capacity")
+    max_waiting: int = 1024  # bounded waiting queue
+    batch_window_s: float = 0.010  # wait this long for company when the batch is empty
+    policy: Policy = "fcfs"
+    overflow: OverflowPolicy = "queue"
+    length_aware: bool = False  # admit questions of similar prompt length together
+    early_stop: bool = True  # evict finished questions at once (False keeps them until the batch drains)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, limits: SchedulerLimits = SchedulerLimits(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.lingering: list[Sequence] = []  # finished but kept in the batch (early_stop=False)
+        self._finished: list[Sequence] = []
+        self._free_channels = list(range(limits.max_running))  # a heap: the lowest free channel first
+        self.num_preemptions = 0
+
+    # -- intake -------------------------------------------------------------------------------
+    @property
+    def max_tokens_per_question(self) -> int:
+        caps = [self.limits.max_context, self.pool.num_blocks * self.pool.block_size]
+        if self.limits.capacity_tokens:
+            caps.append(self.limits.capacity_tokens)
+        return min(caps)
+
+    def has_room(self) -> bool:
+        return len(self.waiting) < self.limits.max_waiting
+
+    def add(self, seq: Sequence) -> None:
+        limit = self.max_tokens_per_question
+        if seq.num_tokens >= limit:
+            raise PromptTooLong(f"prompt has {seq.num_tokens} tokens; this engine allows at most {limit - 1}")
+        if self.limits.overflow == "reject" and len(self.running) + len(self.waiting) >= self.limits.max_running:
+            raise Overloaded(f"all {self.limits.max_running} channels are busy (overflow_policy=reject)")
+        if not self.has_room():
+            raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} questions)")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def cancel(self, question_id: str) -> bool:
+        for seq in self.running + self.waiting:
+            if seq.question_id == question_id:
+                self.finish(seq, Status.CANCELLED)
+                return True
+        return False
+
+    # -- the step -------------------------------------------------------------------------------
+    def wait_time(self) -> float | None:
+        """Seconds to hold the next step for company; 0 = step now, None = idle until an arrival."""
+        if self.running or self.lingering or self._finished:
+            return 0.0
+        if not self.waiting:
+            return None
+        if len(self.waiting) >= self.limits.max_running:
+            return 0.0
+        oldest = min(seq.arrival for seq in self.waiting)
+        return max(0.0, oldest + self.limits.batch_window_s - self.clock())
+
+    def schedule(self) -> StepPlan:
+        self._expire_deadlines()
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.limits.max_tokens_per_step)
+        if not plan.preempted and not self.lingering:
+            self._admit(plan, budget)
+        self._schedule_lingering(plan)
+        return plan
+
+    def update(self, plan: StepPlan, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Record what the forward computed and drew; returns (question, new token) pairs."""
+        tokens = iter(sampled)
+        new_tokens = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.length
+            if not chunk.sample:
+                continue
+            token = next(tokens)
+            if seq.status.finished:  # lingering (early_stop=False): computed, never answered
+                seq.token_ids.append(token)
+                continue
+            seq.steps += 1
+            seq.batch_sizes.append(len(plan.chunks))
+            seq.append(token)
+            seq.first_token_at = seq.first_token_at or self.clock()
+            new_tokens.append((seq, token))
+            self._check_limits(seq, token)
+        return new_tokens
+
+    def finish(self, seq: Sequence, status: Status) -> None:
+        """End a question now; its blocks go back to the pool this step (unless early_stop is off)."""
+        if seq.status.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            heapq.heappush(self._free_channels, seq.channel)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
+        seq.finished_at = self.clock()
+        seq.audit_blocks = tuple(seq.block_ids)
+        if self.limits.early_stop or not seq.block_ids:
+            self.pool.release(seq.question_id, seq.block_ids)
+        else:
+            self.lingering.append(seq)
+        self._finished.append(seq)
+
+    def take_finished(self) -> list[Sequence]:
+        done, self._finished = self._finished, []
+        return done
+
+    @property
+    def has_work(self) -> bool:
+        """Something to compute, or an ending (cancel, timeout) not yet reported."""
+        return bool(self.running or self.waiting or self.lingering or self._finished)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        self.running.sort(key=_keep_order)
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            length = min(seq.num_uncomputed, budget)
+            if self._reserve(seq, length, plan):
+                plan.chunks.append(self._chunk(seq, length))
+                budget -= length
+        return budget
+
+    def _reserve(self, seq: Sequence, length: int, plan: StepPlan) -> bool:
+        """Find blocks for `length` more tokens, preempting the least important question if needed."""
+        while not self.pool.grow(seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        # Recompute, not swap: the question drops its cache and re-prefills prompt + output later.
+        self.running.remove(seq)
+        heapq.heappush(self._free_channels, seq.channel)
+        self.pool.release(seq.question_id, seq.block_ids)
+        seq.num_computed_tokens = 0
+        seq.status = Status.PREEMPTED
+        self.waiting.append(seq)
+        plan.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
+            seq = self._next_waiting()
+            length = min(seq.num_uncomputed, budget)
+            if not self.pool.grow(seq.question_id, seq.block_ids, length):
+                return  # the pool is full; the question waits for blocks to come back
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            seq.channel = heapq.heappop(self._free_channels)
+            seq.admitted_at = seq.admitted_at or self.clock()
+            self.running.append(seq)
+            plan.chunks.append(self._chunk(seq, length))
+            budget -= length
+
+    def _next_waiting(self) -> Sequence:
+        key = _ADMISSION_ORDER[self.limits.policy]
+        if self.limits.length_aware and self.running:
+            anchor = self.running[0].num_tokens.bit_length()
+            return min(self.waiting, key=lambda s: (abs(s.num_tokens.bit_length() - anchor), key(s)))
+        return min(self.waiting, key=key)
+
+    def _schedule_lingering(self, plan: StepPlan) -> None:
+        if not self.lingering:
+            return
+        if not self.running:  # the static batch has drained: now everyone leaves
+            for seq in self.lingering:
+                self.pool.release(seq.question_id, seq.block_ids)
+            self.lingering.clear()
+            return
+        for seq in self.lingering:
+            if seq.num_tokens < self.max_tokens_per_question and self.pool.grow(
+                    seq.question_id, seq.block_ids, seq.num_tokens):
+                plan.chunks.append(self._chunk(seq, seq.num_uncomputed))
+
+    def _chunk(self, seq: Sequence, length: int) -> Chunk:
+        start = seq.num_computed_tokens
+        return Chunk(seq=seq, start=start, length=length, sample=start + length == seq.num_tokens)
+
+    def _check_limits(self, seq: Sequence, token: int) -> None:
+        if token in seq.params.stop_token_ids:
+            self.finish(seq, Status.STOPPED)
+        elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_tokens_per_question:
+            self.finish(seq, Status.LENGTH)
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for seq in self.running + self.waiting:
+            if seq.deadline is not None and now >= seq.deadline:
+                self.finish(seq, Status.TIMEOUT)
+
+
+def _keep_order(seq: Sequence) -> tuple:
+    # Most important first; preemption takes from the end (lowest priority, then newest).
+    return (-seq.priority, seq.arrival)
+
+
+_ADMISSION_ORDER: dict[str, Callable[[Sequence], tuple]] = {
+    # Preempted questions go first in every policy: they already waited once.
+    "fcfs": lambda s: (s.status != Status.PREEMPTED, s.arrival),
+    "shortest_prompt_first": lambda s: (s.status != Status.PREEMPTED, s.num_tokens, s.arrival),
+    "priority": lambda s: (s.status != Status.PREEMPTED, -s.priority, s.arrival),
+}

@@ -1,0 +1,101 @@
+"""One question's life inside the engine: its tokens, its blocks, its status."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    """Ordered so that `status >= Status.STOPPED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    STOPPED = 3
+    LENGTH = 4
+    TIMEOUT = 5
+    CANCELLED = 6
+    ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= Status.STOPPED
+
+    @property
+    def finish_reason(self) -> str:
+        return _FINISH_REASONS[self]
+
+
+_FINISH_REASONS = {
+    Status.STOPPED: "stop",
+    Status.LENGTH: "length",
+    Status.TIMEOUT: "timeout",
+    Status.CANCELLED: "cancelled",
+    Status.ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Fully resolved sampling settings: no field means "use a default" any more."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    defaults_version: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A question being answered. `num_computed_tokens` catches up with `num_tokens` each step."""
+
+    question_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    channel: int = 0
+    priority: int = 0
+    deadline: float | None = None  # time.monotonic() value; None = no deadline
+    adapter: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    steps: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    audit_blocks: tuple[int, ...] = ()  # the blocks it held when it ended, for the answer's audit
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids) + list(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)

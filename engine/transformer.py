@@ -1,0 +1,127 @@
+"""Kev's own decoder forward (Llama / Qwen2 / Qwen3) over a flat, packed batch of tokens.
+
+There is no batch dimension: tokens of every scheduled question lie in one row list, each with its own
+position. Only attention looks across tokens, and it does so through the attention backend, which
+keeps each question to its own keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import apply_rope, linear, rms_norm, tiled_linear
+
+# Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections fused into one matmul
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections fused
+    down: torch.Tensor
+
+
+class Transformer:
+    def __init__(self, spec, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], deterministic: bool = False):
+        self.spec = spec
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.cos, self.sin = rope
+        self.set_deterministic(deterministic)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+
+    def set_deterministic(self, on: bool) -> None:
+        """Fixed row tiles for every matmul: a row's logits no longer depend on the batch (slower)."""
+        self.deterministic = on
+        self.linear = tiled_linear if on else linear
+
+    @classmethod
+    def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False) -> "Transformer":
+        from safetensors.torch import load_file
+
+        raw: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            raw.update(load_file(str(file)))
+        if not raw:
+            raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic)
+
+    @classmethod
+    def from_state_dict(cls, spec, raw: dict[str, torch.Tensor], rope, device, dtype,
+                        deterministic=False) -> "Transformer":
+        def get(name: str) -> torch.Tensor:
+            if name not in raw:
+                raise KeyError(f"weight {name!r} is missing from the checkpoint")
+            return raw[name].to(device=device, dtype=dtype).contiguous()
+
+        layers = [_layer(spec, get, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
+        cos, sin = (t.to(device=device, dtype=dtype) for t in rope)
+        return cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin), deterministic)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flat tokens `input_ids` at their own `positions`."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        hidden = self.embed[input_ids]
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend)
+            hidden = hidden + self._mlp(layer, hidden)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits only for the rows that draw a token; prompt rows never reach the output layer."""
+        return self.linear(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
+
+    def _attention(self, index, layer: LayerWeights, hidden, cos, sin, attend: Attend) -> torch.Tensor:
+        spec = self.spec
+        x = rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
+        q, k, v = self.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(-1, spec.num_heads, spec.head_dim)
+        k = k.view(-1, spec.num_kv_heads, spec.head_dim)
+        v = v.view(-1, spec.num_kv_heads, spec.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+        out = attend(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.linear(out.reshape(-1, self.q_size), layer.o_proj)
+
+    def _mlp(self, layer: LayerWeights, hidden) -> torch.Tensor:
+        x = rms_norm(hidden, layer.post_norm, self.spec.rms_norm_eps)
+        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, layer.down)
+
+
+def _layer(spec, get, prefix: str) -> LayerWeights:
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    qkv = torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
+    bias = None
+    if spec.qkv_bias:
+        bias = torch.cat([get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")])
+    return LayerWeights(
+        input_norm=get(prefix + "input_layernorm.weight"),
+        qkv=qkv,
+        qkv_bias=bias,
+        q_norm=get(attn + "q_norm.weight") if spec.qk_norm else None,
+        k_norm=get(attn + "k_norm.weight") if spec.qk_norm else None,
+        o_proj=get(attn + "o_proj.weight"),
+        post_norm=get(prefix + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+        down=get(mlp + "down_proj.weight"),
+    )

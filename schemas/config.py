@@ -1,0 +1,196 @@
+"""The kev.yaml schema: one frozen KevConfig of sections, every key defaulted so `{}` is valid.
+
+Unknown keys are rejected (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import msgspec.inspect as mi
+from msgspec import Meta, Struct
+
+from schemas._validation import (
+    MaxNewTokens,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    explain,
+    show,
+    struct_fields,
+)
+
+Positive = Annotated[int, Meta(ge=1)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+_MAX_PROBLEMS = 50
+
+
+class _Section(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class DeployConfig(_Section):
+    mode: Literal["single", "multi_gpu", "distributed"] = "single"
+    workers: Positive = 1
+
+
+class RouterConfig(_Section):
+    strategy: Literal["round_robin", "length_aware", "semantic_hash", "consistent_hash"] = "round_robin"
+    max_parallel_queries: Annotated[int, Meta(ge=1, le=4096)] = 32
+    channel_pool_size: Positive = 64
+    overflow_policy: Literal["wait", "queue", "reject"] = "queue"
+    max_waiting: Positive = 1024
+
+
+class IsolationConfig(_Section):
+    level: Literal["strict", "shared"] = "strict"
+    shared_prefix: str = ""
+    deterministic: bool = False
+    debug: bool = False
+
+
+class KvCacheConfig(_Section):
+    block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    capacity_tokens: Positive | None = None  # per-question cap ("kv_slot_capacity")
+    num_blocks: Positive | None = None
+    memory_budget_bytes: Positive | None = None
+    memory_fraction: Fraction = 0.5
+
+
+class CoreConfig(_Section):
+    model_path: str = "smollm2-135m-instruct"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    max_context: Annotated[int, Meta(ge=16)] = 2048
+    device: str = "auto"
+    threads: Positive | None = None
+
+
+class SchedulerConfig(_Section):
+    batch_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 10.0
+    max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048
+    policy: Literal["fcfs", "shortest_prompt_first", "priority"] = "fcfs"
+    length_aware_grouping: bool = False
+    early_stop: bool = True
+
+
+class SamplingConfig(_Section):
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    repetition_penalty: RepetitionPenalty = 1.0
+    max_new_tokens: MaxNewTokens = 256
+    seed: Seed | None = None
+
+
+class AggregatorConfig(_Section):
+    timeout_ms: Positive = 60000
+
+
+class SecurityConfig(_Section):
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str = "embedded"
+    group_id: str = "kev"
+    questions_topic: str = "kev.questions"
+    answers_topic: str = "kev.answers"
+    deltas_topic: str = "kev.answer-deltas"
+    dlq_topic: str = "kev.questions.dlq"
+    control_topic: str = "kev.control"
+    partitions: Positive = 4
+    commit_interval_ms: Positive = 1000
+    commit_every: Positive = 100
+    security: SecurityConfig = SecurityConfig()
+
+
+class MetricsConfig(_Section):
+    port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = off
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_prompts: bool = False
+    json: bool | None = None  # None = JSON when stderr is not a terminal
+
+
+class KevConfig(_Section):
+    deploy: DeployConfig = DeployConfig()
+    router: RouterConfig = RouterConfig()
+    isolation: IsolationConfig = IsolationConfig()
+    kv_cache: KvCacheConfig = KvCacheConfig()
+    core: CoreConfig = CoreConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    aggregator: AggregatorConfig = AggregatorConfig()
+    kafka: KafkaConfig = KafkaConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+class ConfigError(Exception):
+    """Every problem found, each as (dotted key path, reason); `source` names the file, if any."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(self.problems)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """One `[source: ]key.path: reason` line per problem."""
+        prefix = f"{self.source}: " if self.source else ""
+        return [prefix + (f"{path}: {reason}" if path else reason) for path, reason in self.problems]
+
+
+def config_from_dict(data: Any) -> KevConfig:
+    """Validate a parsed kev.yaml (or {}) into a KevConfig; raise ConfigError naming every bad key."""
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"expected a mapping of sections at the top level, got {show(data)}")])
+    data = _drop_empty_sections(data, mi.type_info(KevConfig))
+    problems: list[tuple[str, str]] = []
+    while len(problems) < _MAX_PROBLEMS:
+        try:
+            config = msgspec.convert(data, KevConfig)
+            break
+        except msgspec.ValidationError as error:
+            problems.append(explain(error, data, KevConfig))
+            # msgspec stops at the first error; drop that key and look again so one run lists all.
+            if not _remove_key(data, problems[-1][0]):
+                break
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _remove_key(data: dict, dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        data = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or leaf not in data:
+        return False
+    del data[leaf]
+    return True
+
+
+def _drop_empty_sections(data: dict, info: Any) -> dict:
+    # `scheduler:` with every key commented out parses as None; read it as "all defaults".
+    fields = struct_fields(info)
+    out = {}
+    for key, value in data.items():
+        is_section = isinstance(fields.get(key), mi.StructType)
+        if is_section and value is None:
+            continue
+        out[key] = _drop_empty_sections(value, fields[key]) if is_section and isinstance(value, dict) else value
+    return out
