@@ -46,9 +46,10 @@ class BlockPool:
 
     def release(self, owner: str, blocks: list[int]) -> None:
         """Return every block in `blocks` to the pool and empty the list."""
-        for block_id in blocks:
+        for block_id in blocks:  # check them all first: a refused release must change nothing
             if self._owner.get(block_id) != owner:
                 raise RuntimeError(f"block {block_id} is owned by {self._owner.get(block_id)!r}, not {owner!r}")
+        for block_id in blocks:
             del self._owner[block_id]
             self._flags[block_id] = FREE
         blocks.clear()

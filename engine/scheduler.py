@@ -132,7 +132,7 @@ class Scheduler:
         budget = self._schedule_running(plan, self.limits.max_tokens_per_step)
         if not plan.preempted and not self.lingering:
             self._admit(plan, budget)
-        self._schedule_lingering(plan)
+        self._schedule_lingering(plan, budget)  # admission is off while anyone lingers: budget is still ours
         return plan
 
     def update(self, plan: StepPlan, sampled: list[int]) -> list[tuple[Sequence, int]]:
@@ -151,7 +151,8 @@ class Scheduler:
             seq.steps += 1
             seq.batch_sizes.append(len(plan.chunks))
             seq.append(token)
-            seq.first_token_at = seq.first_token_at or self.clock()
+            if seq.first_token_at is None:
+                seq.first_token_at = self.clock()
             new_tokens.append((seq, token))
             self._check_limits(seq, token)
         return new_tokens
@@ -191,7 +192,9 @@ class Scheduler:
                 break
             if seq.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            length = min(seq.num_uncomputed, budget)
+            # Leave a token for every question behind this one: a long prefill never stalls their decodes.
+            behind = len(self.running) - 1 - self.running.index(seq)
+            length = min(seq.num_uncomputed, max(1, budget - behind))
             if self._reserve(seq, length, plan):
                 plan.chunks.append(self._chunk(seq, length))
                 budget -= length
@@ -226,7 +229,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             seq.channel = heapq.heappop(self._free_channels)
-            seq.admitted_at = seq.admitted_at or self.clock()
+            if seq.admitted_at is None:  # a fake clock may read 0.0
+                seq.admitted_at = self.clock()
             self.running.append(seq)
             plan.chunks.append(self._chunk(seq, length))
             budget -= length
@@ -238,7 +242,7 @@ class Scheduler:
             return min(self.waiting, key=lambda s: (abs(s.num_tokens.bit_length() - anchor), key(s)))
         return min(self.waiting, key=key)
 
-    def _schedule_lingering(self, plan: StepPlan) -> None:
+    def _schedule_lingering(self, plan: StepPlan, budget: int) -> None:
         if not self.lingering:
             return
         if not self.running:  # the static batch has drained: now everyone leaves
@@ -247,9 +251,11 @@ class Scheduler:
             self.lingering.clear()
             return
         for seq in self.lingering:
-            if seq.num_tokens < self.max_tokens_per_question and self.pool.grow(
-                    seq.question_id, seq.block_ids, seq.num_tokens):
-                plan.chunks.append(self._chunk(seq, seq.num_uncomputed))
+            length = min(seq.num_uncomputed, budget)
+            if length > 0 and seq.num_tokens < self.max_tokens_per_question and self.pool.grow(
+                    seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
+                plan.chunks.append(self._chunk(seq, length))
+                budget -= length
 
     def _chunk(self, seq: Sequence, length: int) -> Chunk:
         start = seq.num_computed_tokens
