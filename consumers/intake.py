@@ -1,0 +1,130 @@
+"""The question consumer loop: fetch, decode, route each record to exactly one outcome.
+
+- valid question → `Inbound` into the engine's bounded inbox (settled later by its answer)
+- InvalidQuestion → an error AnswerEvent (the asker is told why)
+- UndecodableEvent → the raw record to the DLQ with reason headers (nobody can be answered)
+- a question_id being answered or answered recently → no second answer (see ledger.py)
+
+Backpressure: above the inbox's high watermark every assigned partition is paused; below the low
+watermark they resume. Paused partitions are not fetched, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord
+from anyio.streams.memory import MemoryObjectSendStream
+
+from consumers.backpressure import Watermarks
+from consumers.committer import RevocationListener
+from consumers.ledger import Admission, QuestionLedger
+from consumers.messages import Inbound, Position
+from consumers.offsets import OffsetTracker
+from consumers.publisher import Publisher
+from schemas import InvalidQuestion, UndecodableEvent, decode_question, error_answer
+
+log = structlog.get_logger("kev.consumers.intake")
+
+
+class Intake:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        listener: RevocationListener,
+        tracker: OffsetTracker,
+        ledger: QuestionLedger,
+        publisher: Publisher,
+        on_settled: Callable[[Sequence[Position]], None],
+        questions_out: MemoryObjectSendStream[Inbound],
+        watermarks: Watermarks,
+        *,
+        max_records: int = 64,
+        poll_timeout_ms: int = 100,
+    ) -> None:
+        self.consumer = consumer
+        self.listener = listener
+        self.tracker = tracker
+        self.ledger = ledger
+        self.publisher = publisher
+        self.on_settled = on_settled
+        self.questions_out = questions_out
+        self.watermarks = watermarks
+        self.max_records = max_records
+        self.poll_timeout_ms = poll_timeout_ms
+        self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
+
+    async def run(self) -> None:
+        """Consume until cancelled or the engine closes its inbox; closes `questions_out` on the way out."""
+        async with self.questions_out:
+            try:
+                while True:
+                    await self._poll_once()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                log.warning("engine_inbox_closed")
+
+    async def _poll_once(self) -> None:
+        used = self._apply_backpressure()
+        # Fetch no more than the inbox has room for, so a send rarely waits on a slow engine.
+        room = max(1, min(self.max_records, self.watermarks.high - used))
+        batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
+        epoch = self.listener.epoch
+        for records in batch.values():
+            for record in records:
+                if self.listener.epoch != epoch:
+                    return  # a rebalance reset positions: the rest is fetched again from the commit point
+                await self._handle(record)
+
+    async def _handle(self, record: ConsumerRecord) -> None:
+        position = Position(record.topic, record.partition, record.offset)
+        self.tracker.track(position.partition_key, record.offset)
+        self.counts["records"] += 1
+        bound = log.bind(partition=record.partition, offset=record.offset)
+        try:
+            question = decode_question(record.value if record.value is not None else b"")
+        except UndecodableEvent as bad:
+            bound.warning("dead_letter", reason=bad.reason, message=bad.message)
+            await self.publisher.dead_letter(record.value, record.key, list(record.headers), position,
+                                             bad.reason, bad.message)
+        except InvalidQuestion as bad:
+            bound.info("invalid_question", question_id=bad.question_id, code=bad.code, message=bad.message)
+            if self._admit(bad.question_id, position, bound):
+                answer = error_answer(bad.question_id, bad.request_id, bad.code, bad.message)
+                await self.publisher.error_answer(answer, position)
+        except Exception as error:  # a decoder bug must not stop the partition: park the record
+            bound.exception("decode_crashed")
+            await self.publisher.dead_letter(record.value, record.key, list(record.headers), position,
+                                             "decode_crashed", repr(error))
+        else:
+            if self._admit(question.question_id, position, bound):
+                self.counts["questions"] += 1
+                inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic())
+                await self.questions_out.send(inbound)
+
+    def _admit(self, question_id: str, position: Position, bound) -> bool:
+        admission = self.ledger.admit(question_id, position)
+        if admission is Admission.NEW:
+            return True
+        self.counts["duplicates"] += 1
+        bound.info("duplicate_question", question_id=question_id, admission=admission.value)
+        if admission is Admission.ANSWERED:
+            self.on_settled([position])
+        return False
+
+    def _apply_backpressure(self) -> int:
+        used = self.questions_out.statistics().current_buffer_used
+        if self.watermarks.update(used):
+            unpaused = self.consumer.assignment() - self.consumer.paused()
+            if unpaused:
+                self.consumer.pause(*unpaused)
+                self.counts["pauses"] += 1
+                log.info("partitions_paused", partitions=len(unpaused), inbox=used)
+        elif paused := self.consumer.paused():
+            self.consumer.resume(*paused)
+            self.counts["resumes"] += 1
+            log.info("partitions_resumed", partitions=len(paused), inbox=used)
+        return used

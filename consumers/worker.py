@@ -1,0 +1,201 @@
+"""All of Kev's Kafka I/O as one actor: questions in to the engine's inbox, answers out, offsets committed.
+
+    send_q, recv_q = anyio.create_memory_object_stream[Inbound](16)
+    send_a, recv_a = anyio.create_memory_object_stream[Outbound](16)
+    await tg.start(run_kafka_io, cfg, send_q, recv_a)   # the engine actor reads recv_q, writes send_a
+
+aiokafka is asyncio-only: build and run this on anyio's asyncio backend. Shutdown, gracefully: call
+`worker.stop_intake()`; the inbox closes, the engine drains and closes its outbox, every answer in
+flight is acked, the settled offsets are committed, then `run()` returns. Cancelled instead, it
+commits what is already settled (shielded, bounded) and unsettled questions are redelivered later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from consumers.backpressure import Watermarks
+from consumers.broker import EMBEDDED
+from consumers.committer import Committer, RevocationListener
+from consumers.intake import Intake
+from consumers.ledger import QuestionLedger
+from consumers.messages import Inbound, Outbound, Partition, Position
+from consumers.offsets import OffsetTracker
+from consumers.publisher import Publisher
+from consumers.security import client_options
+from consumers.topics import ensure_topics
+from schemas import KafkaConfig
+
+log = structlog.get_logger("kev.consumers.worker")
+
+
+@dataclass(frozen=True)
+class KafkaStatistics:
+    assigned: frozenset[Partition]
+    paused: frozenset[Partition]
+    in_flight: int  # fetched records whose outcome the broker has not acked yet
+    records: int  # fetched
+    questions: int  # sent to the engine
+    duplicates: int  # not answered again (being answered, or answered recently)
+    answers: int  # acked, per kind
+    error_answers: int
+    deltas: int
+    dead_letters: int
+    commits: int
+    pauses: int
+    resumes: int
+
+
+class KafkaWorker:
+    def __init__(
+        self,
+        cfg: KafkaConfig,
+        questions_out: MemoryObjectSendStream[Inbound],
+        answers_in: MemoryObjectReceiveStream[Outbound],
+        *,
+        high_watermark: int | None = None,
+        low_watermark: int | None = None,
+        dedup_capacity: int = 10_000,
+        max_records: int = 64,
+        shutdown_timeout: float = 10.0,
+        create_topics: bool = True,
+        consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
+        producer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaProducer kwargs
+    ) -> None:
+        if cfg.bootstrap_servers == EMBEDDED:
+            raise ValueError('bootstrap_servers is "embedded": start it first with consumers.embedded_kafka(cfg)')
+        self.cfg = cfg
+        self.questions_out = questions_out
+        self.answers_in = answers_in
+        self.watermarks = Watermarks.for_buffer(questions_out.statistics().max_buffer_size,
+                                                high_watermark, low_watermark)
+        self.max_records = max_records
+        self.shutdown_timeout = shutdown_timeout
+        self.create_topics = create_topics
+        self.consumer_options = dict(consumer_options or {})
+        self.producer_options = dict(producer_options or {})
+        self.tracker = OffsetTracker()
+        self.ledger = QuestionLedger(dedup_capacity)
+        self.consumer: AIOKafkaConsumer | None = None  # built in run(): aiokafka wants a running loop
+        self.producer: AIOKafkaProducer | None = None
+        self.committer: Committer | None = None
+        self.listener: RevocationListener | None = None
+        self._assigned = anyio.Event()
+        self._intake: Intake | None = None
+        self._publisher: Publisher | None = None
+        self._intake_scope = anyio.CancelScope()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._build_clients()
+        try:
+            if self.create_topics:
+                await ensure_topics(self.cfg)
+            await self.producer.start()
+            try:
+                await self.consumer.start()
+                self.consumer.subscribe([self.cfg.questions_topic], listener=self.listener)
+                log.info("kafka_io_started", bootstrap=self.cfg.bootstrap_servers, group=self.cfg.group_id,
+                         topic=self.cfg.questions_topic)
+                await self._serve(task_status)
+            finally:
+                with anyio.move_on_after(self.shutdown_timeout, shield=True):
+                    committed = await self.committer.commit()
+                    log.info("kafka_io_stopping", committed=len(committed), in_flight=self.tracker.in_flight())
+                    await _quietly(self.consumer.stop())
+        finally:
+            with anyio.move_on_after(self.shutdown_timeout, shield=True):
+                await _quietly(self.producer.stop())
+            self.questions_out.close()
+            self.answers_in.close()
+
+    def _build_clients(self) -> None:
+        cfg, security = self.cfg, client_options(self.cfg.security)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", **security, **self.consumer_options,
+        )
+        # acks=all without idempotence: Tansu rejects idempotent producers (InitProducerId).
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=cfg.bootstrap_servers, acks="all", enable_idempotence=False,
+            **security, **self.producer_options,
+        )
+        self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
+                                   every=cfg.commit_every)
+        self.listener = RevocationListener(self.committer, on_assigned=self._assigned.set)
+
+    def stop_intake(self) -> None:
+        """Stop fetching and close the engine's inbox; run() ends once the engine's outbox closes."""
+        self._intake_scope.cancel()
+
+    async def wait_assigned(self) -> None:
+        """Until this worker has joined its group and received partitions at least once."""
+        await self._assigned.wait()
+
+    def statistics(self) -> KafkaStatistics:
+        intake = self._intake.counts if self._intake else dict.fromkeys(
+            ("records", "questions", "duplicates", "pauses", "resumes"), 0)
+        published = self._publisher.counts if self._publisher else dict.fromkeys(
+            ("answers", "error_answers", "deltas", "dead_letters"), 0)
+        consumer = self.consumer
+        return KafkaStatistics(
+            assigned=_partitions(consumer.assignment() if consumer else ()),
+            paused=_partitions(consumer.paused() if consumer else ()),
+            in_flight=self.tracker.in_flight(), commits=self.committer.commits if self.committer else 0,
+            **intake, **published,
+        )
+
+    async def _serve(self, task_status: TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as tg:
+            async with Publisher(self.producer, self.cfg, self.ledger, self._settled) as publisher:
+                self._publisher = publisher
+                self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,
+                                      self._settled, self.questions_out, self.watermarks,
+                                      max_records=self.max_records)
+                tg.start_soon(self.committer.run)
+                tg.start_soon(self._run_intake)
+                task_status.started()
+                await publisher.run(self.answers_in)
+            # The engine closed its outbox and every ack is in: nothing more will settle.
+            tg.cancel_scope.cancel()
+
+    async def _run_intake(self) -> None:
+        with self._intake_scope:
+            await self._intake.run()
+        self.questions_out.close()  # also when stopped before run() opened it
+
+    def _settled(self, positions: Sequence[Position]) -> None:
+        for position in positions:
+            self.tracker.done(position.partition_key, position.offset)
+        self.committer.settled(len(positions))
+
+
+async def run_kafka_io(
+    cfg: KafkaConfig,
+    questions_out: MemoryObjectSendStream[Inbound],
+    answers_in: MemoryObjectReceiveStream[Outbound],
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    **options: Any,
+) -> None:
+    """Run a KafkaWorker (options as its keyword arguments) until the engine closes `answers_in`."""
+    await KafkaWorker(cfg, questions_out, answers_in, **options).run(task_status=task_status)
+
+
+def _partitions(tps) -> frozenset[Partition]:
+    return frozenset(Partition(tp.topic, tp.partition) for tp in tps)
+
+
+async def _quietly(stopping) -> None:
+    try:
+        await stopping
+    except KafkaError as error:
+        log.warning("kafka_stop_failed", error=repr(error))

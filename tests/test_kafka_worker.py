@@ -1,0 +1,267 @@
+"""The Kafka side end to end against the embedded Tansu broker: questions in, answers out, offsets.
+
+A stand-in engine (test code in the engine actor's place) reads Inbound and writes Outbound; the
+path under test — consumer, decoding, DLQ, publisher, offset commits — is all real.
+"""
+
+import anyio
+import msgspec
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from consumers import Inbound, KafkaWorker, Outbound
+
+pytest.register_assert_rewrite("kafka_fixtures")
+from kafka_fixtures import (  # noqa: E402
+    FAST_GROUP,
+    HoldingEngine,
+    StandInEngine,
+    committed,
+    kafka_config,
+    produce,
+    question,
+    read_topic,
+    running_worker,
+    wait_committed,
+    wait_until,
+)
+from schemas import decode_answer, decode_delta  # noqa: E402
+
+pytest_plugins = ["kafka_fixtures"]
+pytestmark = [pytest.mark.kafka, pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # aiokafka is asyncio-only
+
+
+def by_key(records):
+    return {record.key.decode(): record for record in records}
+
+
+def last_offsets(sent, partitions):
+    """Commit positions (last offset + 1) per partition for records sent as (partition, offset)."""
+    positions = dict.fromkeys(range(partitions))
+    for partition, offset in sent:
+        positions[partition] = max(positions[partition] or 0, offset + 1)
+    return positions
+
+
+async def test_answers_are_published_and_offsets_committed_only_after_the_ack(kafka_broker):
+    cfg = kafka_config(kafka_broker)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = HoldingEngine()
+    async with running_worker(cfg, engine) as worker:
+        sent = await produce(bootstrap, cfg.questions_topic,
+                             [question(f"q{i}", f"prompt {i}", request_id=f"r{i}") for i in range(6)])
+        await wait_until(lambda: len(engine.received) == 6)
+        await anyio.sleep(0.5)  # five commit intervals: nothing is settled, so nothing may be committed
+        assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 2) == {0: None, 1: None}
+        assert worker.statistics().in_flight == 6
+
+        engine.release.set()
+        answers = by_key(await read_topic(bootstrap, cfg.answers_topic, 6))
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
+
+    assert sorted(answers) == [f"q{i}" for i in range(6)]
+    for i in range(6):
+        record = answers[f"q{i}"]
+        assert dict(record.headers) == {"schema": b"1", "content-type": b"application/json",
+                                        "question_id": f"q{i}".encode(), "request_id": f"r{i}".encode()}
+        answer = decode_answer(record.value)
+        assert (answer.question_id, answer.request_id, answer.text) == (f"q{i}", f"r{i}", f"echo: prompt {i}")
+
+    # A fresh consumer in the same group starts right after the last committed question.
+    later = await produce(bootstrap, cfg.questions_topic, [question("late-1"), question("late-2")])
+    consumer = AIOKafkaConsumer(cfg.questions_topic, bootstrap_servers=bootstrap, group_id=cfg.group_id,
+                                enable_auto_commit=False, auto_offset_reset="earliest", **FAST_GROUP)
+    await consumer.start()
+    try:
+        seen = []
+        with anyio.fail_after(30):
+            while len(seen) < 2:
+                batch = await consumer.getmany(timeout_ms=200)
+                seen += [(r.partition, r.offset) for part in batch.values() for r in part]
+    finally:
+        await consumer.stop()
+    assert sorted(seen) == sorted(later)
+
+
+BAD_INPUTS = [
+    # (value, outcome, reason or error code)
+    (b"{nope", "dlq", "not_json"),
+    (b"\xff\xfe{}", "dlq", "not_utf8"),
+    (b"[1, 2]", "dlq", "not_object"),
+    (b'{"prompt": "who am I?"}', "dlq", "missing_question_id"),
+    (None, "dlq", "not_json"),
+    (question("bad-params", params={"temperature": 99}), "error", "invalid_field"),
+    (question("empty-prompt", "   "), "error", "empty_prompt"),
+    (question("future", schema=9), "error", "unsupported_schema"),
+    (question("fine", "what is 2+2?"), "answer", None),
+]
+
+
+async def test_every_bad_input_ends_as_exactly_one_dead_letter_or_error_answer(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with running_worker(cfg) as worker:
+        sent = await produce(bootstrap, cfg.questions_topic, [value for value, _, _ in BAD_INPUTS], key=b"k")
+        dead = await read_topic(bootstrap, cfg.dlq_topic, 5)
+        answers = by_key(await read_topic(bootstrap, cfg.answers_topic, 4))
+        # Still alive: a good question after all that is answered.
+        await produce(bootstrap, cfg.questions_topic, [question("after")])
+        assert "after" in by_key(await read_topic(bootstrap, cfg.answers_topic, 5, linger=0))
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: len(BAD_INPUTS) + 1})
+        stats = worker.statistics()
+
+    dead_letters = [(value, reason) for value, outcome, reason in BAD_INPUTS if outcome == "dlq"]
+    assert [(record.value, dict(record.headers)["dlq.reason"].decode()) for record in dead] == dead_letters
+    for record, (_, offset) in zip(dead, sent):
+        headers = dict(record.headers)
+        assert record.key == b"k"
+        assert headers["dlq.source.topic"] == cfg.questions_topic.encode()
+        assert (headers["dlq.source.partition"], headers["dlq.source.offset"]) == (b"0", str(offset).encode())
+        assert headers["dlq.message"]
+
+    assert sorted(answers) == ["bad-params", "empty-prompt", "fine", "future"]
+    for value, outcome, code in BAD_INPUTS:
+        if outcome == "error":
+            answer = decode_answer(answers[msgspec.json.decode(value)["question_id"]].value)
+            assert (answer.finish_reason, answer.error.code) == ("error", code)
+            assert answer.error.message
+    assert decode_answer(answers["fine"].value).text == "echo: what is 2+2?"
+    assert (stats.dead_letters, stats.error_answers, stats.answers, stats.in_flight) == (5, 3, 2, 0)
+
+
+async def test_a_full_inbox_pauses_the_partitions_and_a_drained_one_resumes_them(kafka_broker):
+    cfg = kafka_config(kafka_broker)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = StandInEngine(open_gate=False)
+    async with running_worker(cfg, engine, buffer=2) as worker:
+        await produce(bootstrap, cfg.questions_topic, [question(f"bp{i}") for i in range(40)])
+        await wait_until(lambda: worker.statistics().paused == worker.statistics().assigned)
+        await anyio.sleep(0.5)
+        stats = worker.statistics()
+        assert stats.pauses >= 1 and len(stats.paused) == 2
+        assert stats.questions <= 2  # fetched no further than the inbox has room for
+        assert stats.in_flight <= 2
+
+        engine.gate.set()
+        answers = await read_topic(bootstrap, cfg.answers_topic, 40, linger=0)
+        await wait_until(lambda: worker.statistics().in_flight == 0)
+        stats = worker.statistics()
+
+    assert sorted(r.key.decode() for r in answers) == sorted(f"bp{i}" for i in range(40))
+    assert stats.resumes >= 1 and stats.questions == 40
+
+
+async def test_a_question_id_seen_again_is_not_answered_twice(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = HoldingEngine()
+    async with running_worker(cfg, engine) as worker:
+        # Redelivered while the first delivery is still being answered ...
+        await produce(bootstrap, cfg.questions_topic, [question("twice"), question("twice")])
+        await wait_until(lambda: worker.statistics().records == 2)
+        engine.release.set()
+        await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
+        # ... and again after it was answered.
+        await produce(bootstrap, cfg.questions_topic, [question("twice")])
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
+        answers = await read_topic(bootstrap, cfg.answers_topic, 2, timeout=1.0)
+        stats = worker.statistics()
+
+    assert [record.key for record in answers] == [b"twice"]
+    assert len(engine.received) == 1
+    assert (stats.duplicates, stats.in_flight) == (2, 0)
+
+
+async def test_revoked_partitions_commit_what_is_settled(kafka_broker):
+    # Interval and count triggers far away: only the rebalance listener can commit here.
+    cfg = kafka_config(kafka_broker, partitions=2, commit_interval_ms=600_000, commit_every=1000)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with running_worker(cfg) as worker:
+        sent = await produce(bootstrap, cfg.questions_topic, [question(f"rv{i}") for i in range(4)])
+        await read_topic(bootstrap, cfg.answers_topic, 4, linger=0)
+        await wait_until(lambda: worker.statistics().in_flight == 0)
+        assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 2) == {0: None, 1: None}
+
+        newcomer = AIOKafkaConsumer(cfg.questions_topic, bootstrap_servers=bootstrap, group_id=cfg.group_id,
+                                    enable_auto_commit=False, **FAST_GROUP)
+        await newcomer.start()
+        try:
+            with anyio.fail_after(20):
+                while not newcomer.assignment():
+                    await newcomer.getmany(timeout_ms=100)
+            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
+        finally:
+            await newcomer.stop()
+
+
+async def test_reply_topic_and_streaming_deltas(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka_broker.bootstrap_servers
+    reply_topic = f"{cfg.answers_topic}-private"
+    async with running_worker(cfg):
+        await produce(bootstrap, cfg.questions_topic, [
+            question("private", reply_topic=reply_topic),
+            question("streamed", stream=True),
+            question("misaddressed", reply_topic="no such topic!"),
+        ])
+        private = await read_topic(bootstrap, reply_topic, 1)
+        public = await read_topic(bootstrap, cfg.answers_topic, 2)
+        deltas = await read_topic(bootstrap, cfg.deltas_topic, 3)
+
+    assert [r.key for r in private] == [b"private"]
+    assert [r.key for r in public] == [b"streamed", b"misaddressed"]  # an illegal reply_topic is not fatal
+    assert [decode_delta(r.value).seq for r in deltas] == [0, 1, 2]
+    assert all(r.key == b"streamed" and dict(r.headers)["question_id"] == b"streamed" for r in deltas)
+    assert decode_delta(deltas[-1].value).done
+
+
+async def test_commits_every_n_settled_records_without_waiting_for_the_interval(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1, commit_interval_ms=600_000, commit_every=3)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with running_worker(cfg):
+        await produce(bootstrap, cfg.questions_topic, [question(f"n{i}") for i in range(3)])
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
+
+
+async def test_a_cancelled_worker_commits_what_is_settled_and_nothing_more(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1, commit_interval_ms=600_000, commit_every=1000)
+    bootstrap = kafka_broker.bootstrap_servers
+    questions_out, questions_in = anyio.create_memory_object_stream[Inbound](8)
+    answers_out, answers_in = anyio.create_memory_object_stream[Outbound](8)
+    worker = KafkaWorker(cfg, questions_out, answers_in, consumer_options=FAST_GROUP)
+    engine = StandInEngine(never_answer=frozenset({"stuck"}))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine, questions_in, answers_out)
+        await tg.start(worker.run)
+        await produce(bootstrap, cfg.questions_topic, [question("s0"), question("s1"), question("stuck"),
+                                                       question("s3")])
+        await read_topic(bootstrap, cfg.answers_topic, 3, linger=0)
+        await wait_until(lambda: worker.statistics().answers == 3)
+        assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
+        tg.cancel_scope.cancel()
+
+    # s3 is answered too, but behind the unanswered "stuck" (offset 2): it must be asked again.
+    assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: 2}
+
+
+async def test_two_workers_in_one_group_share_the_partitions_and_answer_everything(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=4)
+    bootstrap = kafka_broker.bootstrap_servers
+    first = [question(f"w{i}") for i in range(20)]
+    second = [question(f"w{i}") for i in range(20, 40)]
+    async with running_worker(cfg) as one:
+        sent = await produce(bootstrap, cfg.questions_topic, first)
+        async with running_worker(cfg) as two:  # joining rebalances the group under load
+            sent += await produce(bootstrap, cfg.questions_topic, second)
+            answers = await read_topic(bootstrap, cfg.answers_topic, 40, linger=0)
+            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 4))
+            shares = (one.statistics().assigned, two.statistics().assigned)
+
+    # At least once: a question in flight at the rebalance may be answered by both workers.
+    assert {r.key.decode() for r in answers} == {f"w{i}" for i in range(40)}
+    assert all(shares) and not shares[0] & shares[1]
