@@ -5,7 +5,7 @@ setup:
 	@bash ops/setup.sh
 
 demo: setup
-	.venv/bin/kev ask "Explain TCP's three-way handshake in one sentence." "Write a haiku about autumn." "What is the capital of France?" --max-new-tokens 64
+	.venv/bin/kev demo
 
 test: setup
 	.venv/bin/python -m pytest -q

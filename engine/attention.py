@@ -79,9 +79,11 @@ class TorchStep:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         k_cache.index_copy_(0, self.slots, k)
         v_cache.index_copy_(0, self.slots, v)
-        out = torch.empty_like(q)
+        if self.decode is not None and not self.prompts:  # decodes only: rows are already in order
+            return self.decode.attend(q, k_cache, v_cache)
+        out = q.new_empty(q.shape)
         if self.decode is not None:
-            out[self.decode.rows] = self.decode.attend(q, k_cache, v_cache)
+            out[self.decode.rows] = self.decode.attend(q[self.decode.rows], k_cache, v_cache)
         for seg, ctx in self.prompts:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             out[rows] = _attend_segment(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
@@ -116,7 +118,8 @@ class _DecodeGroup:
         self.mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :].to(device)
 
     def attend(self, q, k_cache, v_cache) -> torch.Tensor:
-        query = q[self.rows][:, :, None, :]  # [B, H, 1, D]
+        """q: [B, H, D], the decode rows only."""
+        query = q[:, :, None, :]  # [B, H, 1, D]
         keys = k_cache[self.slots].transpose(1, 2)  # [B, KVH, L, D]
         values = v_cache[self.slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask, enable_gqa=True)

@@ -83,9 +83,13 @@ class EngineCore:
         if question.adapter:
             raise QuestionRejected("unknown_adapter", f"adapter {question.adapter!r} is not loaded")
         arrival = time.monotonic() if arrival is None else arrival
+        if prompt_ids is None:
+            prompt_ids = encode_prompt(self.model.tokenizer, question)
+        if not prompt_ids:
+            raise QuestionRejected("empty_prompt", "the prompt has no tokens")
         seq = Sequence(
             question_id=qid,
-            prompt_ids=prompt_ids if prompt_ids is not None else encode_prompt(self.model.tokenizer, question),
+            prompt_ids=list(prompt_ids),
             params=self.defaults.resolve(question.params, self.stop_token_ids),
             priority=question.priority,
             deadline=arrival + question.timeout_ms / 1000 if question.timeout_ms else None,

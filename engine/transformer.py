@@ -92,14 +92,15 @@ class Transformer:
     def _attention(self, index, layer: LayerWeights, hidden, cos, sin, attend: Attend) -> torch.Tensor:
         spec = self.spec
         x = rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
-        q, k, v = self.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(-1, spec.num_heads, spec.head_dim)
-        k = k.view(-1, spec.num_kv_heads, spec.head_dim)
-        v = v.view(-1, spec.num_kv_heads, spec.head_dim)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, spec.num_kv_heads, spec.head_dim)
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-        out = attend(index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            qk = torch.cat([rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)], 1)
+        # q and k side by side: one rotary pass for both.
+        q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
+        out = attend(index, q, k, v)
         return self.linear(out.reshape(-1, self.q_size), layer.o_proj)
 
     def _mlp(self, layer: LayerWeights, hidden) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""`kev bench engine`: Kev against transformers on the same model and questions, in one process.
+
+(a) transformers `generate`, one question at a time   (b) transformers `generate`, one left-padded batch
+(c) Kev, early eviction                                (d) Kev, finished questions kept until the batch drains
+All greedy, all stopping at EOS or max_new_tokens. Prints tokens/s, the ratios, and whether (c)'s answers
+are token-identical to (a)'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.bench_questions import QUESTIONS
+from engine.pipeline import IsolatedBatchPipeline
+from engine.prompt import as_question, encode_prompt
+
+
+@dataclass
+class Run:
+    name: str
+    seconds: float
+    tokens: int
+    answers: list[list[int]]
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def run_kev(model, questions, max_new_tokens: int, early_stop: bool, repeats: int) -> Run:
+    pipe = IsolatedBatchPipeline(model, max_batch_size=len(questions), early_stop=early_stop)
+    pipe.run(questions[:2], max_new_tokens=2)  # warm-up: first-call allocations
+    runs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        answers = pipe.run(questions, max_new_tokens=max_new_tokens, temperature=0.0)
+        runs.append((time.perf_counter() - started, answers))
+    seconds, answers = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
+    ids = [list(a.token_ids) for a in answers]
+    name = "kev, early eviction" if early_stop else "kev, no early eviction"
+    return Run(name, seconds, sum(map(len, ids)), ids)
+
+
+def hf_model(model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()
+
+
+def run_hf_sequential(hf, model, prompts: list[list[int]], max_new_tokens: int) -> Run:
+    eos = list(model.spec.eos_token_ids)
+    answers, started = [], time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])
+            answers.append(_trim(out[0, len(ids):].tolist(), eos))
+    seconds = time.perf_counter() - started
+    return Run("transformers, one at a time", seconds, sum(map(len, answers)), answers)
+
+
+def run_hf_padded(hf, model, prompts: list[list[int]], max_new_tokens: int) -> Run:
+    eos = list(model.spec.eos_token_ids)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos[0])
+    seconds = time.perf_counter() - started
+    answers = [_trim(row[width:].tolist(), eos) for row in out]
+    return Run("transformers, padded batch", seconds, sum(map(len, answers)), answers)
+
+
+def _trim(tokens: list[int], eos: list[int]) -> list[int]:
+    """Up to and including the first EOS, as Kev reports it; drop the padding after."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def bench_engine(model, *, num_questions: int = 32, max_new_tokens: int = 64, repeats: int = 3,
+                 sequential: bool = True, out=print) -> dict:
+    questions = [as_question(q, i) for i, q in enumerate((QUESTIONS * 8)[:num_questions])]
+    prompts = [encode_prompt(model.tokenizer, q) for q in questions]
+    hf = hf_model(model)
+    runs = {}
+    if sequential:
+        runs["a"] = run_hf_sequential(hf, model, prompts, max_new_tokens)
+    runs["b"] = run_hf_padded(hf, model, prompts, max_new_tokens)
+    runs["c"] = run_kev(model, questions, max_new_tokens, early_stop=True, repeats=repeats)
+    runs["d"] = run_kev(model, questions, max_new_tokens, early_stop=False, repeats=repeats)
+    report(runs, model, num_questions, max_new_tokens, out)
+    return runs
+
+
+def report(runs: dict, model, num_questions: int, max_new_tokens: int, out=print) -> None:
+    out(f"model {model.name} ({model.dtype}), {num_questions} questions, <= {max_new_tokens} new tokens, "
+        f"greedy, torch threads {torch.get_num_threads()}")
+    out(f"| run | engine | tokens | seconds | tokens/s |\n|---|---|---:|---:|---:|")
+    for key, run in runs.items():
+        out(f"| ({key}) | {run.name} | {run.tokens} | {run.seconds:.2f} | {run.rate:.1f} |")
+    c = runs["c"]
+    for key in ("a", "b", "d"):
+        if key in runs:
+            out(f"(c)/({key}) = {c.rate / runs[key].rate:.2f}x")
+    reference = runs.get("a") or runs["b"]
+    same = sum(x == y for x, y in zip(c.answers, reference.answers))
+    out(f"(c) answers token-identical to ({'a' if 'a' in runs else 'b'}): {same}/{len(c.answers)}")
+    if same < len(c.answers):
+        first = [len(_common_prefix(x, y)) for x, y in zip(c.answers, reference.answers) if x != y]
+        out(f"  differing answers agree on their first {statistics.median(first):.0f} tokens (median)")
+
+
+def _common_prefix(x: list[int], y: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return x[:n]

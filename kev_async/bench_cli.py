@@ -1,0 +1,40 @@
+"""`kev bench ...`: speed measured side by side in one run, printed as a table and ratios."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks that print side-by-side ratios",
+                                  description="Benchmarks. Each runs its contenders in one process, on the "
+                                              "same inputs, and prints tokens/s and ratios.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    engine = kinds.add_parser(
+        "engine", help="Kev vs transformers generate (one at a time, padded batch)",
+        description="(a) transformers generate one question at a time, (b) transformers generate on one "
+                    "left-padded batch, (c) Kev with early eviction, (d) Kev without it; greedy. Prints "
+                    "tokens/s, (c)/(a), (c)/(b), (c)/(d) and whether (c)'s answers equal (a)'s.")
+    engine.add_argument("--model", default="smollm2-135m-instruct")
+    engine.add_argument("--questions", type=int, default=32, help="how many of the mixed questions (default 32)")
+    engine.add_argument("--max-new-tokens", type=int, default=64)
+    engine.add_argument("--repeats", type=int, default=3, help="Kev runs per variant; the median is kept")
+    engine.add_argument("--skip-sequential", action="store_true",
+                        help="skip (a), the slowest run (minutes); (c) is then checked against (b)")
+    engine.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    engine.set_defaults(func=_bench_engine)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from engine import load_model
+    from engine.bench import bench_engine
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model = load_model(args.model)
+    bench_engine(model, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
+                 repeats=args.repeats, sequential=not args.skip_sequential)
+    return 0
