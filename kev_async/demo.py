@@ -1,0 +1,101 @@
+"""`kev demo`: the whole path on embedded defaults — broker, worker, producer and an answers reader.
+
+It publishes the benchmark's mixed questions plus two bad events (one undecodable, one invalid) to
+kev.questions, prints every answer as it arrives on kev.answers, counts the dead letter, and stops
+the worker gracefully once everything is answered.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import anyio
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from engine.bench_questions import QUESTIONS
+from kev_async.app import serve
+from kev_async.lifecycle import Shutdown
+from schemas import KevConfig, Params, QuestionEvent, decode_answer, encode
+
+BAD_EVENTS = [
+    b"this is not JSON",  # undecodable: goes to the dead-letter topic unchanged
+    b'{"question_id": "bad-temperature", "prompt": "hi", "params": {"temperature": -1}}',  # error answer
+]
+
+
+async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, max_new_tokens: int,
+                   out=print, task_status=anyio.TASK_STATUS_IGNORED) -> dict:
+    questions = [QuestionEvent(question_id=f"demo-{i}", prompt=text, params=Params(max_new_tokens=max_new_tokens))
+                 for i, text in enumerate((QUESTIONS * 8)[:num_questions])]
+    async with anyio.create_task_group() as tg:
+        running = await tg.start(partial(serve, cfg, shutdown))
+        out(f"kev: worker {running.worker} serving {running.model} from {running.bootstrap_servers}")
+        task_status.started(running)
+        started = time.perf_counter()
+        await _publish(cfg, running.bootstrap_servers, questions)
+        summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
+        summary["seconds"] = time.perf_counter() - started
+        summary["dead_letters"] = await _count(cfg.kafka.dlq_topic, running.bootstrap_servers, 1)
+        out(f"\n{summary['answers']} answers ({summary['errors']} error answers), "
+            f"{summary['dead_letters']} dead letter(s), {summary['tokens']} tokens in {summary['seconds']:.1f}s "
+            f"({summary['tokens'] / summary['seconds']:.1f} tokens/s end to end, through Kafka)")
+        shutdown.request("demo finished")
+    return summary
+
+
+async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
+    await producer.start()
+    try:
+        for question in questions:
+            await producer.send(cfg.kafka.questions_topic, encode(question), key=question.question_id.encode())
+        for raw in BAD_EVENTS:
+            await producer.send(cfg.kafka.questions_topic, raw)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
+    summary = {"answers": 0, "errors": 0, "tokens": 0}
+    consumer = AIOKafkaConsumer(cfg.kafka.answers_topic, bootstrap_servers=servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        async for record in consumer:
+            answer = decode_answer(record.value)
+            summary["answers"] += 1
+            summary["errors"] += answer.finish_reason == "error"
+            summary["tokens"] += answer.usage.completion_tokens
+            out(_line(answer))
+            if summary["answers"] >= expected:
+                return summary
+    finally:
+        await consumer.stop()
+    return summary
+
+
+async def _count(topic: str, servers: str, expected: int, timeout: float = 10.0) -> int:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=servers, group_id=None, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    seen = 0
+    try:
+        with anyio.move_on_after(timeout):
+            async for _record in consumer:
+                seen += 1
+                if seen >= expected:
+                    break
+    finally:
+        await consumer.stop()
+    return seen
+
+
+def _line(answer) -> str:
+    if answer.error:
+        return f"[{answer.question_id}] error {answer.error.code}: {answer.error.message}"
+    text = answer.text.replace("\n", " ")
+    text = text if len(text) <= 90 else text[:87] + "..."
+    return (f"[{answer.question_id}] {answer.finish_reason:6} {answer.usage.completion_tokens:3} tokens "
+            f"{answer.timings.e2e_ms / 1000:5.1f}s  {text}")
