@@ -96,7 +96,7 @@ def _attend_segment(q, k, v, k_cache, v_cache, ctx: torch.Tensor | None, seg: Se
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True, enable_gqa=True)
         return out.transpose(0, 1)
-    keys, values = k_cache[ctx].transpose(0, 1), v_cache[ctx].transpose(0, 1)
+    keys, values = k_cache.index_select(0, ctx).transpose(0, 1), v_cache.index_select(0, ctx).transpose(0, 1)
     # Row i sits at position cached + i and sees keys 0..cached + i: causal, offset by the cache.
     visible = torch.arange(seg.kv_len, device=q.device)[None, :] <= (
         torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
@@ -114,13 +114,15 @@ class _DecodeGroup:
             slots[i, : seg.kv_len] = context_slots(seg.block_ids, seg.kv_len, block_size)
         lengths = torch.tensor([s.kv_len for s in segments])
         self.rows = torch.tensor([s.q_start for s in segments], device=device)
-        self.slots = slots.to(device)
+        self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing
+        self.batch, self.longest = len(segments), longest
         self.mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :].to(device)
 
     def attend(self, q, k_cache, v_cache) -> torch.Tensor:
         """q: [B, H, D], the decode rows only."""
         query = q[:, :, None, :]  # [B, H, 1, D]
-        keys = k_cache[self.slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[self.slots].transpose(1, 2)
+        shape = (self.batch, self.longest) + k_cache.shape[1:]
+        keys = k_cache.index_select(0, self.slots).view(shape).transpose(1, 2)  # [B, KVH, L, D]
+        values = v_cache.index_select(0, self.slots).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask, enable_gqa=True)
         return out[:, :, 0, :]

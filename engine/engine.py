@@ -66,7 +66,8 @@ class Engine:
         return await self._task_group.__aexit__(*exc)
 
     # -- the public face ---------------------------------------------------------------------------
-    async def submit(self, question, **params) -> Handle:
+    async def submit(self, question, *, arrival: float | None = None, **params) -> Handle:
+        """Queue a question; `arrival` (time.monotonic()) is when it really arrived, for its timings."""
         question = as_question(question, len(self._handles), **params)
         if self.closed:
             raise RuntimeError("the engine is closed")
@@ -77,7 +78,7 @@ class Engine:
                 "duplicate_question_id", f"question {question.question_id!r} is already in flight")), own=True)
             return handle
         self._handles[question.question_id] = handle
-        self._commands.put(("add", question))
+        self._commands.put(("add", (question, arrival)))
         return handle
 
     async def wait(self, handle: Handle, timeout: float | None = None) -> AnswerEvent:
@@ -150,10 +151,11 @@ class Engine:
         if verb == "cancel":
             self.core.cancel(arg)
             return
+        question, arrival = arg
         try:
-            self.core.add(arg)
+            self.core.add(question, arrival=arrival)
         except QuestionRejected as exc:
-            self._deliver_from_thread(StepEvents(answers=[rejected_answer(arg, exc)]))
+            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, exc)]))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
         if events.deltas or events.answers:

@@ -126,7 +126,8 @@ class _SchedulerActor:
 
     async def _submit(self, question: QuestionEvent, source: Any, forwarders) -> None:
         await self.places.acquire()
-        handle = await self.engine.submit(question)
+        # Timings start when the question reached this worker, not when the engine got to it.
+        handle = await self.engine.submit(question, arrival=getattr(source, "received_at", None))
         self.in_flight[handle] = source
         forwarders.start_soon(self._forward, handle)
 

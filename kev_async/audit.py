@@ -1,0 +1,282 @@
+"""`kev audit ...`: re-check and draw the per-forward isolation records the engine logs.
+
+With `EngineOptions(audit=True)` every forward logs one structlog record, `forward.mask` (debug) or
+`forward.isolation_violation` (error), holding each question's rows, positions, kv length and
+blocks (engine/audit.py). `kev audit check LOG` re-verifies every record and the continuity between
+them; `kev audit render LOG --forward N -o mask.png` draws one forward's attention visibility.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+AUDIT_EVENTS = ("forward.mask", "forward.isolation_violation")
+
+
+@dataclass
+class ForwardRecord:
+    """One audit record, with where it came from."""
+
+    run: int  # 1-based: a new run starts whenever the forward counter does not go up (a new engine)
+    line: int  # 1-based line in the log file
+    data: dict
+
+    @property
+    def forward(self) -> int:
+        return self.data["forward"]
+
+    @property
+    def label(self) -> str:
+        return f"forward {self.forward}" if self.run == 1 else f"run {self.run} forward {self.forward}"
+
+
+@dataclass
+class AuditLog:
+    records: list[ForwardRecord] = field(default_factory=list)
+    lines: int = 0
+    not_json: int = 0
+    other_events: int = 0
+    malformed: list[str] = field(default_factory=list)  # audit records missing required fields
+
+    @property
+    def runs(self) -> int:
+        return self.records[-1].run if self.records else 0
+
+    def find(self, forward: int, run: int | None = None) -> list[ForwardRecord]:
+        return [r for r in self.records if r.forward == forward and (run is None or r.run == run)]
+
+
+class AuditLogError(Exception):
+    """The log cannot be read, or holds no audit records."""
+
+
+_REQUIRED = ("forward", "tokens", "block_size", "segments")
+_SEGMENT_REQUIRED = ("question_id", "rows", "positions", "kv_len", "blocks")
+
+
+def read_audit_log(path: Path | str) -> AuditLog:
+    """Every `forward.mask` / `forward.isolation_violation` record of a structlog JSON-lines file.
+
+    Other lines (console output, other events, broken JSON) are counted and skipped. A run boundary is
+    placed where the forward counter fails to increase: each EngineCore counts from 1.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise AuditLogError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    log = AuditLog()
+    run, last_forward = 0, None
+    for number, line in enumerate(text.splitlines(), 1):
+        log.lines += 1
+        line = line.strip()
+        if not line.startswith("{"):
+            log.not_json += bool(line)
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            log.not_json += 1
+            continue
+        if not isinstance(data, dict) or data.get("event") not in AUDIT_EVENTS:
+            log.other_events += 1
+            continue
+        problem = _shape_problem(data)
+        if problem:
+            log.malformed.append(f"line {number}: {problem}")
+            continue
+        if last_forward is None or data["forward"] <= last_forward:
+            run += 1
+        last_forward = data["forward"]
+        log.records.append(ForwardRecord(run, number, data))
+    return log
+
+
+def _shape_problem(data: dict) -> str | None:
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        return f"{data.get('event')} record lacks {', '.join(missing)}"
+    if not isinstance(data["forward"], int) or not isinstance(data["segments"], list):
+        return "forward must be an int and segments a list"
+    for i, seg in enumerate(data["segments"]):
+        if not isinstance(seg, dict):
+            return f"segment {i} is not an object"
+        missing = [key for key in _SEGMENT_REQUIRED if key not in seg]
+        if missing:
+            return f"segment {i} lacks {', '.join(missing)}"
+        if len(seg["rows"]) != 2 or len(seg["positions"]) != 2:
+            return f"segment {i}: rows and positions must be [start, end)"
+    return None
+
+
+# -- check -----------------------------------------------------------------------------------------
+
+@dataclass
+class CheckReport:
+    forwards: int = 0
+    runs: int = 0
+    questions: int = 0
+    tokens: int = 0
+    max_batch: int = 0
+    max_batch_forward: str = ""
+    restarts: int = 0  # questions that began again at position 0 (preempted and recomputed)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (where, what)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+
+def check_log(log: AuditLog) -> CheckReport:
+    """Re-verify every record (engine.audit.violations), then what that per-record check leaves out:
+    a block held by two questions in one forward (read-only shared-prefix blocks excepted), a question
+    in two segments, and each question's positions continuing from where its previous forward left
+    them (or restarting at 0 after a preemption)."""
+    from engine.audit import violations  # imports torch: only when checking, not on every `kev` start
+
+    report = CheckReport(forwards=len(log.records), runs=log.runs)
+    report.problems += [("log", f"malformed audit record at {m}") for m in log.malformed]
+    questions: set[tuple[int, str]] = set()
+    last_end: dict[tuple[int, str], tuple[int, str]] = {}  # (run, qid) -> (kv_len, label of that forward)
+    from_start = {r.run for r in log.records if r.forward == 1}  # runs whose log begins at forward 1
+    for rec in log.records:
+        data, where = rec.data, rec.label
+        found: list[str] = []
+        if data.get("event") == "forward.isolation_violation":
+            found += [f"engine flagged: {p}" for p in data.get("problems") or ["(no problems listed)"]]
+        found += violations(data)
+        segments = data["segments"]
+        report.tokens += data["tokens"]
+        if len(segments) > report.max_batch:
+            report.max_batch, report.max_batch_forward = len(segments), where
+        seen_here: set[str] = set()
+        owners: dict[int, str] = {}  # block -> the question holding it in this forward
+        for seg in segments:
+            qid = seg["question_id"]
+            key = (rec.run, qid)
+            questions.add(key)
+            if qid in seen_here:
+                found.append(f"{qid}: appears in more than one segment")
+            seen_here.add(qid)
+            shared = seg.get("shared_prefix_len") or 0  # read-only prefix blocks may be shared
+            for i, block in enumerate(seg["blocks"]):
+                if (i + 1) * data["block_size"] <= shared:
+                    continue
+                holder = owners.setdefault(block, qid)
+                if holder != qid:
+                    found.append(f"block {block} is held by both {holder} and {qid}")  # engine's wording
+            start = seg["positions"][0]
+            if key in last_end:
+                previous, prev_where = last_end[key]
+                if start == 0 and previous > 0:
+                    report.restarts += 1
+                elif start > previous:
+                    found.append(f"{qid}: positions start at {start}, but its previous forward ({prev_where}) "
+                                 f"ended at kv_len {previous} (position gap)")
+                elif start < previous:
+                    found.append(f"{qid}: positions start at {start}, but its previous forward ({prev_where}) "
+                                 f"already reached kv_len {previous} (positions repeat)")
+            elif start not in (0, shared) and rec.run in from_start:
+                found.append(f"{qid}: first seen at position {start}, not 0 (its earlier positions were "
+                             f"never computed)")
+            last_end[key] = (seg["kv_len"], where)
+        for problem in dict.fromkeys(found):  # keep order, drop duplicates
+            report.problems.append((where, problem))
+    report.questions = len(questions)
+    return report
+
+
+def format_report(path: str, log: AuditLog, report: CheckReport) -> str:
+    lines = [f"audit log {path}: {report.forwards} forwards"
+             + (f" in {report.runs} runs" if report.runs > 1 else ""),
+             f"  questions:  {report.questions}",
+             f"  tokens:     {report.tokens} (rows computed over all forwards)",
+             f"  max batch:  {report.max_batch} questions ({report.max_batch_forward})",
+             f"  restarts:   {report.restarts} (questions recomputed from position 0 after preemption)"]
+    skipped = log.not_json + log.other_events
+    if skipped:
+        lines.append(f"  skipped:    {skipped} lines ({log.not_json} not JSON, {log.other_events} other events)")
+    if report.clean:
+        lines.append("OK: every forward keeps its questions isolated")
+    else:
+        lines.append(f"VIOLATIONS: {len(report.problems)}")
+        lines += [f"  {where}: {what}" for where, what in report.problems]
+    return "\n".join(lines)
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def add_audit(subparsers: argparse._SubParsersAction) -> None:
+    audit = subparsers.add_parser("audit", help="check or draw the per-forward isolation audit log",
+                                  description="Work with the audit records an engine logs per forward when "
+                                              "audit is on (isolation.debug, or logging.level debug).")
+    actions = audit.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="re-verify every forward record of a log",
+        description="Read every forward.mask / forward.isolation_violation record of LOGFILE (structlog JSON "
+                    "lines; other lines are skipped), re-check each forward's invariants and each question's "
+                    "position continuity across forwards, and print a summary. Exit 0 when clean, 1 on any "
+                    "violation, 2 when the file is unreadable or holds no audit records.")
+    check.add_argument("logfile", metavar="LOGFILE", type=Path)
+    check.set_defaults(func=_check)
+    render = actions.add_parser(
+        "render", help="draw one forward's attention visibility as a PNG",
+        description="Draw which keys each query row of one recorded forward can see: one coloured block per "
+                    "question, causal inside, blank elsewhere.")
+    render.add_argument("logfile", metavar="LOGFILE", type=Path)
+    render.add_argument("--forward", "-f", type=int, required=True, metavar="N", help="the forward number to draw")
+    render.add_argument("--run", type=int, default=None, metavar="R",
+                        help="which run, when the log holds several engines' forwards (default: the first "
+                             "that has forward N)")
+    render.add_argument("-o", "--output", type=Path, default=Path("mask.png"), help="PNG path (default mask.png)")
+    render.add_argument("--size", type=float, default=8.0, help="figure side in inches (default 8)")
+    render.add_argument("--dpi", type=int, default=100, help="dots per inch (default 100)")
+    render.set_defaults(func=_render)
+
+
+def _load(path: Path) -> AuditLog | None:
+    try:
+        log = read_audit_log(path)
+    except AuditLogError as exc:
+        print(f"kev audit: {exc}", file=sys.stderr)
+        return None
+    if not log.records:
+        print(f"kev audit: {path}: no {' / '.join(AUDIT_EVENTS)} records in {log.lines} lines "
+              f"(turn audit on: isolation.debug: true, or logging.level: debug with JSON logs)", file=sys.stderr)
+        return None
+    return log
+
+
+def _check(args: argparse.Namespace) -> int:
+    log = _load(args.logfile)
+    if log is None:
+        return 2
+    report = check_log(log)
+    print(format_report(str(args.logfile), log, report))
+    return 0 if report.clean else 1
+
+
+def _render(args: argparse.Namespace) -> int:
+    log = _load(args.logfile)
+    if log is None:
+        return 2
+    matches = log.find(args.forward, args.run)
+    if not matches:
+        numbers = sorted({r.forward for r in log.records if args.run is None or r.run == args.run})
+        span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
+        run = f" in run {args.run}" if args.run is not None else ""
+        print(f"kev audit render: forward {args.forward} is not in {args.logfile}{run} "
+              f"(recorded forwards: {span}, {len(numbers)} in all)", file=sys.stderr)
+        return 2
+    record = matches[0]
+    from kev_async.mask_picture import render_forward
+
+    drawn = render_forward(record.data, args.output, size_in=args.size, dpi=args.dpi,
+                           title_prefix=f"run {record.run} " if log.runs > 1 else "")
+    note = f" (run {record.run}; {len(matches)} runs have forward {args.forward})" if len(matches) > 1 else ""
+    print(f"wrote {args.output}: {record.label}, {drawn.segments} questions, {drawn.rows} rows x "
+          f"{drawn.keys} keys, {drawn.width}x{drawn.height} px{note}")
+    return 0
