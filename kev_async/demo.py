@@ -34,7 +34,9 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
         task_status.started(running)
         started = time.perf_counter()
         await _publish(cfg, running.bootstrap_servers, questions)
-        summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
+        # Generous, but bounded: a lost answer must fail the demo, not hang it.
+        with anyio.fail_after(60 + 10 * len(questions)):
+            summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
         summary["seconds"] = time.perf_counter() - started
         summary["dead_letters"] = await _count(cfg.kafka.dlq_topic, running.bootstrap_servers, 1)
         out(f"\n{summary['answers']} answers ({summary['errors']} error answers), "

@@ -1,0 +1,168 @@
+"""Helpers for the `kev serve` / `kev demo` tests: a tiny model directory, `kev` subprocesses, an
+answers reader that runs in the background.
+
+Load with `pytest_plugins = ["kafka_fixtures", "serve_fixtures"]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from schemas import AnswerEvent, decode_answer
+
+ROOT = Path(__file__).resolve().parent.parent
+KEV = Path(sys.executable).with_name("kev")  # the venv's console script
+
+
+def build_tiny_model_dir(path: Path) -> Path:
+    """A random-weight Llama (SmolLM2's vocabulary and tokenizer, 2 layers of width 64) saved as safetensors."""
+    import torch
+    import transformers
+
+    from engine.loader import resolve_model_dir
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=2, bos_token_id=1, architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from engine import load_model
+
+    return load_model(tiny_model_dir, device="cpu", dtype="fp32")
+
+
+# -- `kev` as a subprocess ---------------------------------------------------------------------------
+
+def kev_env(**config: str) -> dict[str, str]:
+    """The environment for a `kev` child: this one without KEV_* settings, plus `config` (KEV_... names)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEV_") or k == "KEV_CACHE_DIR"}
+    env.update({"KEV_LOGGING__JSON": "true", "KEV_CORE__THREADS": "1", "KEV_METRICS__PORT": "0",
+                "PYTHONUNBUFFERED": "1"})
+    env.update(config)
+    return env
+
+
+class KevProcess:
+    """A `kev` child process whose output goes to a log file (read it with `.log()`)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
+        self.process = subprocess.Popen([str(KEV), *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text("utf-8", "replace")
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.returncode is not None:
+                self._log.close()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self._log.close()
+
+    def describe(self, chars: int = 4000) -> str:
+        return f"kev {' '.join(self.args)} (pid {self.pid}, rc {self.process.poll()}):\n{self.log()[-chars:]}"
+
+
+@contextlib.contextmanager
+def kev_processes() -> Iterator[list[KevProcess]]:
+    """Children appended to the yielded list are SIGKILLed on the way out, whatever happened."""
+    children: list[KevProcess] = []
+    try:
+        yield children
+    finally:
+        for child in children:
+            child.kill()
+
+
+# -- reading answers as they arrive --------------------------------------------------------------------
+
+class AnswerReader:
+    """Reads a topic from the start in the background (no group); `answers` grows as records arrive."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap, self.topic = bootstrap, topic
+        self.records: list = []
+        self.answers: list[AnswerEvent] = []
+        self._changed = anyio.Event()
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.bootstrap, group_id=None,
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        await consumer.start()
+        task_status.started()
+        try:
+            while True:
+                batch = await consumer.getmany(timeout_ms=100)
+                for records in batch.values():
+                    for record in records:
+                        self.records.append(record)
+                        self.answers.append(decode_answer(record.value))
+                if batch:
+                    self._changed.set()
+                    self._changed = anyio.Event()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await consumer.stop()
+
+    def question_ids(self) -> set[str]:
+        return {answer.question_id for answer in self.answers}
+
+    async def wait_for(self, question_ids, timeout: float, what: str = "answers") -> None:
+        """Until every id in `question_ids` has an answer; fails with the ones missing."""
+        wanted = set(question_ids)
+        with anyio.move_on_after(timeout):
+            while not wanted <= self.question_ids():
+                await self._changed.wait()
+        missing = wanted - self.question_ids()
+        assert not missing, f"no {what} after {timeout}s for {len(missing)}: {sorted(missing)[:10]}"
+
+    async def wait_count(self, count: int, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            while len(self.question_ids()) < count:
+                await self._changed.wait()
+        assert len(self.question_ids()) >= count, f"{len(self.question_ids())} answered after {timeout}s"
