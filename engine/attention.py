@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import KVCache
+from engine.layers import ROW_TILE
+
+KEY_TILE = 64  # deterministic mode: keys are taken in tiles of this many
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,16 @@ class TorchAttention:
     """SDPA per question for prompt chunks; all single-token decodes in one padded, masked call.
 
     The decode mask hides each row's padding keys: masked keys add exact zeros, so a question's
-    decode does not depend on its neighbours' lengths. `per_segment=True` (deterministic mode) gives
-    every question its own call with exactly its own keys.
+    decode does not depend on its neighbours' lengths. `deterministic=True` gives every question its
+    own call, always reading its keys from the cache under a causal mask: then a row's bits depend on
+    neither its neighbours nor how its prompt was split into chunks (or recomputed after preemption).
     """
 
     name = "torch-sdpa"
 
-    def __init__(self, kv: KVCache, per_segment: bool = False):
+    def __init__(self, kv: KVCache, deterministic: bool = False):
         self.kv = kv
-        self.per_segment = per_segment
+        self.deterministic = deterministic
 
     def prepare(self, segments: list[Segment]) -> "TorchStep":
         return TorchStep(self, segments)
@@ -68,10 +72,12 @@ class TorchStep:
         self.kv = kv
         device = kv.k.device
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
-        decodes = [] if backend.per_segment else [s for s in segments if s.q_len == 1]
+        decodes = [] if backend.deterministic else [s for s in segments if s.q_len == 1]
         self.decode = _DecodeGroup(decodes, kv.block_size, device) if decodes else None
+        self.deterministic = from_cache = backend.deterministic
         self.prompts = [
-            (seg, context_slots(seg.block_ids, seg.kv_len, kv.block_size).to(device) if seg.cached else None)
+            (seg, context_slots(seg.block_ids, seg.kv_len, kv.block_size).to(device)
+             if seg.cached or from_cache else None)
             for seg in segments if self.decode is None or seg.q_len > 1
         ]
 
@@ -84,9 +90,10 @@ class TorchStep:
         out = q.new_empty(q.shape)
         if self.decode is not None:
             out[self.decode.rows] = self.decode.attend(q[self.decode.rows], k_cache, v_cache)
+        attend = _attend_fixed_tiles if self.deterministic else _attend_segment
         for seg, ctx in self.prompts:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = _attend_segment(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
+            out[rows] = attend(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
         return out
 
 
@@ -102,6 +109,45 @@ def _attend_segment(q, k, v, k_cache, v_cache, ctx: torch.Tensor | None, seg: Se
         torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def _attend_fixed_tiles(q, k, v, k_cache, v_cache, ctx: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """Attention whose rows keep their bits however the prompt was chunked (deterministic mode).
+
+    Every matmul has a fixed shape: queries in tiles of ROW_TILE rows, keys in tiles of KEY_TILE read
+    from the cache at fixed offsets, combined with an online softmax (as flash attention does). A key
+    tile past a row's position is fully masked and leaves that row's running sums exactly as they
+    were, so a row computed in a 7-token chunk, in a 37-token prefill or as a single decode comes out
+    bit for bit the same.
+    """
+    rows, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    query = _pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
+    tiles = query.shape[1]
+    keys = _pad_rows(k_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    values = _pad_rows(v_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    positions = torch.arange(tiles * ROW_TILE, device=q.device).view(tiles, ROW_TILE, 1) + seg.cached
+    best = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), device=q.device, dtype=query.dtype)
+    total = torch.zeros_like(best)
+    acc = torch.zeros_like(query)
+    for start in range(0, keys.shape[1], KEY_TILE):
+        # Expanded per query tile, so the batched matmul runs with M = ROW_TILE, never a folded height.
+        key_tile = keys[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1)
+        value_tile = values[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1)
+        visible = torch.arange(start, start + KEY_TILE, device=q.device) <= positions
+        scores = torch.matmul(query, key_tile.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: key 0 is always visible
+        scale, weights = torch.exp(best - new_best), torch.exp(scores - new_best)
+        total = total * scale + weights.sum(-1, keepdim=True)
+        acc = acc * scale + torch.matmul(weights, value_tile)
+        best = new_best
+    out = (acc / total).reshape(heads, -1, dim)[:, :rows]
+    return out.transpose(0, 1)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
+    return torch.cat([x, x.new_zeros((pad,) + x.shape[1:])]) if pad else x
 
 
 class _DecodeGroup:

@@ -6,7 +6,9 @@ and `IsolatedBatchPipeline` drives it in a plain loop.
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -17,6 +19,7 @@ from engine.defaults import DefaultsRegistry
 from engine.detokenizer import TextStream
 from engine.flash import FlashAttention, flash_available
 from engine.kv_cache import KVCache, plan_num_blocks
+from engine.lora import AdapterError, AdapterPoolFull, LoraAdapter, LoraPool, UnknownAdapter
 from engine.options import EngineOptions
 from engine.prompt import encode_prompt
 from engine.runner import ModelRunner
@@ -62,16 +65,22 @@ class EngineCore:
                                      memory_fraction=options.memory_fraction)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.kv = KVCache(model.spec, num_blocks, self.block_size, model.dtype, model.device)
-        model.weights.set_deterministic(options.deterministic)
-        self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None)
-        self.scheduler = Scheduler(self.pool, _limits(options))
+        # Each engine gets its own view of the shared weights: its deterministic mode is its own.
+        weights = copy.copy(model.weights)
+        weights.set_deterministic(options.deterministic)
+        self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
+                                  weights=weights)
+        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position))
         self.defaults = DefaultsRegistry(options.defaults)
+        self.loras = LoraPool(model, options.max_loras)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self._questions: dict[str, QuestionEvent] = {}
         self._streams: dict[str, TextStream] = {}
         self._sequences: dict[str, Sequence] = {}
         self.num_forwards = 0
         self.num_generated = 0
+        # Called with the batch size (questions in the pass) after each forward, on the device thread.
+        self.step_observer: Callable[[int], None] | None = None
 
     # -- intake --------------------------------------------------------------------------------
     def add(self, question: QuestionEvent, prompt_ids: list[int] | None = None,
@@ -80,13 +89,12 @@ class EngineCore:
         qid = question.question_id
         if qid in self._sequences:
             raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
-        if question.adapter:
-            raise QuestionRejected("unknown_adapter", f"adapter {question.adapter!r} is not loaded")
         arrival = time.monotonic() if arrival is None else arrival
         if prompt_ids is None:
             prompt_ids = encode_prompt(self.model.tokenizer, question)
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
+        lora = self._acquire_adapter(question.adapter)
         seq = Sequence(
             question_id=qid,
             prompt_ids=list(prompt_ids),
@@ -94,19 +102,42 @@ class EngineCore:
             priority=question.priority,
             deadline=arrival + question.timeout_ms / 1000 if question.timeout_ms else None,
             arrival=arrival,
+            adapter=question.adapter,
+            lora=lora,
         )
         try:
             self.scheduler.add(seq)
-        except PromptTooLong as exc:
-            raise QuestionRejected("prompt_too_long", str(exc)) from None
-        except Overloaded as exc:
-            raise QuestionRejected("overloaded", str(exc)) from None
+        except (PromptTooLong, Overloaded) as exc:
+            self.loras.release(lora)
+            raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
+                                   str(exc)) from None
         self._questions[qid], self._sequences[qid] = question, seq
         self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
         return seq
 
     def cancel(self, question_id: str) -> bool:
         return self.scheduler.cancel(question_id)
+
+    # -- adapters ------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path) -> LoraAdapter:
+        """Register or replace a PEFT LoRA adapter; questions admitted from now on get this version."""
+        return self.loras.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """New questions naming it get `unknown_adapter`; those already admitted finish with it."""
+        self.loras.unload(name)
+
+    def _acquire_adapter(self, name: str | None) -> LoraAdapter | None:
+        if not name:
+            return None
+        try:
+            return self.loras.acquire(name)
+        except UnknownAdapter:
+            raise QuestionRejected("unknown_adapter", f"adapter {name!r} is not loaded") from None
+        except AdapterPoolFull as exc:
+            raise QuestionRejected("overloaded", str(exc)) from None
+        except AdapterError as exc:  # evicted, and its files changed or went away since it was loaded
+            raise QuestionRejected("adapter_error", str(exc)) from None
 
     def has_room(self) -> bool:
         return self.scheduler.has_room()
@@ -124,6 +155,8 @@ class EngineCore:
         events = StepEvents()
         if plan:
             out = self.runner.execute(plan)
+            if self.step_observer is not None:
+                self.step_observer(len(plan.chunks))
             self._audit(plan, out.segments)
             new_tokens = self.scheduler.update(plan, out.sampled)
             events.deltas = self._detokenize(new_tokens)
@@ -144,6 +177,7 @@ class EngineCore:
         qid = seq.question_id
         question, stream = self._questions.pop(qid), self._streams.pop(qid)
         del self._sequences[qid]
+        self.loras.release(seq.lora)
         stream.finish()
         return AnswerEvent(
             question_id=qid,
@@ -154,7 +188,7 @@ class EngineCore:
             usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids)),
             timings=_timings(seq),
             audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
-                        steps=seq.steps, batch_sizes=_compact(seq.batch_sizes),
+                        steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
                         defaults_version=seq.params.defaults_version),
         )
 
@@ -175,11 +209,11 @@ def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEve
     return error_answer(question.question_id, question.request_id, exc.code, exc.message)
 
 
-def _limits(options: EngineOptions) -> SchedulerLimits:
+def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
     return SchedulerLimits(
         max_running=options.max_batch_size,
         max_tokens_per_step=options.max_tokens_per_step,
-        max_context=options.max_context,
+        max_context=min(options.max_context, model_positions),  # past the rotary table there is no position
         capacity_tokens=options.kv_slot_capacity,
         max_waiting=options.max_waiting,
         batch_window_s=options.batch_window_ms / 1000,

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import Segment, TorchAttention
 from engine.kv_cache import KVCache
+from engine.lora import LoraBatch
 from engine.sampler import Sampler, SampleRow
 from engine.scheduler import StepPlan
 
@@ -27,11 +28,11 @@ def segments_of(plan: StepPlan) -> list[Segment]:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, attention=None, sampler: Sampler | None = None):
+    def __init__(self, model, kv: KVCache, attention=None, sampler: Sampler | None = None, weights=None):
         self.model = model
-        self.weights = model.weights
+        self.weights = weights or model.weights
         self.kv = kv
-        self.attention = attention or TorchAttention(kv, per_segment=model.weights.deterministic)
+        self.attention = attention or TorchAttention(kv, deterministic=self.weights.deterministic)
         self.sampler = sampler or Sampler()
         self.device = model.device
 
@@ -44,7 +45,12 @@ class ModelRunner:
             positions += range(chunk.start, chunk.start + chunk.length)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.weights.forward(ids, pos, self.attention.prepare(segments))
+        attend = self.attention.prepare(segments)
+        lora = LoraBatch.build([(c.seq.lora, s.q_start, s.q_len) for s, c in zip(segments, plan.chunks)],
+                               self.device, self.weights.linear)
+        # Without adapters the call is exactly the base one: no LoRA argument, no LoRA work.
+        hidden = (self.weights.forward(ids, pos, attend) if lora is None
+                  else self.weights.forward(ids, pos, attend, lora=lora))
         sample_rows = [s.q_start + s.q_len - 1 for s, c in zip(segments, plan.chunks) if c.sample]
         if not sample_rows:
             return StepOutput([], segments)

@@ -23,6 +23,7 @@ from engine import Engine, EngineOptions, load_model
 from kev_async.actors import Mailbox
 from kev_async.engine_actor import engine_actor
 from kev_async.lifecycle import Shutdown
+from kev_async.metrics import Metrics
 from kev_async.supervisor import Child, RestartPolicy, Supervisor
 from schemas import KevConfig
 
@@ -80,13 +81,17 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     options = EngineOptions.from_config(cfg, worker=name)
     capacity = 2 * cfg.router.max_parallel_queries
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)
-    async with embedded_kafka(cfg.kafka) as kafka_cfg:
+    metrics = Metrics(log_prompts=cfg.logging.log_prompts)
+    metrics.watch_mailboxes(questions, answers)
+    async with metrics.endpoint(cfg.metrics.port), embedded_kafka(cfg.kafka) as kafka_cfg:
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options)
+        metrics.watch_kafka(worker)
         supervisor = Supervisor("kev", [
             # The scheduler starts first and is restarted alone if it crashes (its questions get error
             # answers); a broken Kafka connection is not retried here: the process exits non-zero and
             # Kafka redelivers whatever was not committed.
-            Child("scheduler", partial(engine_actor, engine_factory=lambda: Engine(model, options), wrap=Outbound),
+            Child("scheduler", partial(engine_actor, wrap=metrics.wrap(Outbound),
+                                       engine_factory=lambda: metrics.watch_engine(Engine(model, options))),
                   (questions.receive, answers.send), RestartPolicy(max_restarts=3, within_s=60)),
             Child("kafka", worker.run, policy=RestartPolicy(restart="temporary")),
         ])

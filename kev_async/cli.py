@@ -16,6 +16,7 @@ from kev_async.audit import add_audit
 from kev_async.bench_cli import add_bench
 from kev_async.serve_cli import add_demo, add_serve
 from kev_async.settings import load_config, resolved_dict
+from kev_async.top import add_top
 from schemas import SCHEMA_VERSION, ConfigError
 
 DESCRIPTION = """\
@@ -69,7 +70,7 @@ def _package_version() -> str:
 
 
 # Add a subcommand: write `_add_<cmd>(subparsers)` that sets `func=` and list it here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve, add_demo, add_ask, add_bench, add_audit, add_model, _add_config, _add_version]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve, add_demo, add_ask, add_bench, add_audit, add_model, add_top, _add_config, _add_version]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,5 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
     if cfg.kafka.bootstrap_servers != "embedded":
         print("kev demo: runs on the embedded broker only (kafka.bootstrap_servers: embedded)", file=sys.stderr)
         return 2
+    # The demo is one short-lived process: no metrics endpoint, so it never clashes with a running worker.
+    cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0))
     demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens)
     return anyio.run(partial(run_service, demo), backend="asyncio")

@@ -1,0 +1,301 @@
+"""Prometheus metrics and the canonical answer log line, served on `metrics.port` (0 = off).
+
+    metrics = Metrics(log_prompts=cfg.logging.log_prompts)
+    metrics.watch_mailboxes(questions, answers)
+    metrics.watch_kafka(worker)
+    engine_factory = lambda: metrics.watch_engine(Engine(model, options))
+    wrap = metrics.wrap(Outbound)           # every answer is observed, then wrapped as before
+    async with metrics.endpoint(cfg.metrics.port):
+        ...                                 # GET http://127.0.0.1:PORT/metrics
+
+Answer-level histograms and counters are updated as each answer leaves the engine actor. Everything
+that lives in other objects (the scheduler's queues, the KV pool, the mailboxes, the Kafka worker) is
+read when Prometheus scrapes, by a collector: no polling task, no thread. The endpoint is a small
+anyio TCP listener speaking just enough HTTP/1.0 for a scraper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, get_args
+
+import anyio
+import structlog
+from anyio.abc import SocketAttribute, SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kev_async.actors import Mailbox
+from schemas import AnswerEvent, FinishReason
+
+log = structlog.get_logger("kev.metrics")
+answers_log = structlog.get_logger("kev.answers")
+
+# Seconds. LLM latencies span milliseconds (a decode step) to minutes (a long answer under load).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_REQUEST_HEAD = 8192
+
+
+class Metrics:
+    """One registry of Kev's metrics; see the module docstring for the wiring."""
+
+    def __init__(self, *, log_prompts: bool = False) -> None:
+        self.log_prompts = log_prompts
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kev_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kev_inter_token_latency_seconds", "Mean time between generated tokens, per answer.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kev_end_to_end_latency_seconds", "Arrival to the answer's last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("kev_queue_time_seconds", "Arrival to admission into the running batch.",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.batch_size = Histogram("kev_step_batch_size", "Questions in one packed forward pass.",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.answers = Counter("kev_answers", "Answers sent, by finish reason.", ["finish_reason"], registry=r)
+        for reason in get_args(FinishReason):  # every series exists from the start, so rate() sees the first
+            self.answers.labels(reason)
+        self.errors = Counter("kev_errors", "Error answers, by error code.", ["code"], registry=r)
+        self.prompt_tokens = Counter("kev_prompt_tokens", "Prompt tokens of answered questions.", registry=r)
+        self.live = _LiveCollector()
+        r.register(self.live)
+
+    # -- what is read at scrape time -----------------------------------------------------------------
+    def watch_engine(self, engine):
+        """Read `engine`'s scheduler, KV pool and counters from now on; returns it (for engine factories)."""
+        engine.core.step_observer = self.batch_size.observe
+        self.live.attach_engine(engine)
+        return engine
+
+    def watch_kafka(self, worker) -> None:
+        """A consumers.KafkaWorker: in-flight records, paused partitions, consumer lag."""
+        self.live.kafka = worker
+
+    def watch_mailboxes(self, *mailboxes: Mailbox) -> None:
+        self.live.mailboxes += mailboxes
+
+    # -- per answer -----------------------------------------------------------------------------------
+    def wrap(self, build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """An engine_actor `wrap` that observes each final answer, then builds what `build` builds."""
+
+        def observed(event, source):
+            if isinstance(event, AnswerEvent):
+                self.observe_answer(event, source)
+            return build(event, source)
+
+        return observed
+
+    def observe_answer(self, answer: AnswerEvent, source: Any = None) -> None:
+        """Count the answer, time it, and write its canonical log line."""
+        self.answers.labels(answer.finish_reason).inc()
+        self.prompt_tokens.inc(answer.usage.prompt_tokens)
+        if answer.error is not None:
+            self.errors.labels(answer.error.code).inc()
+        else:  # an error answer never ran: its timings are zeros, not latencies
+            self._observe_timings(answer)
+        answers_log.info("answer", **answer_fields(answer, source, self.log_prompts))
+
+    def _observe_timings(self, answer: AnswerEvent) -> None:
+        t, tokens = answer.timings, answer.usage.completion_tokens
+        self.queue_time.observe(t.queued_ms / 1000)
+        self.e2e.observe(t.e2e_ms / 1000)
+        if t.ttft_ms is not None:
+            self.ttft.observe(t.ttft_ms / 1000)
+            if tokens > 1:
+                self.itl.observe(max(0.0, t.e2e_ms - t.ttft_ms) / 1000 / (tokens - 1))
+
+    # -- the HTTP endpoint ----------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @asynccontextmanager
+    async def endpoint(self, port: int, host: str = "127.0.0.1") -> AsyncIterator[int | None]:
+        """Serve GET /metrics on host:port while the block runs; yields the port (None when port is 0)."""
+        if not port:
+            yield None
+            return
+        try:
+            listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+        except OSError as error:
+            raise OSError(error.errno, f"cannot serve metrics on {host}:{port}: {error.strerror} "
+                                       "(set metrics.port to a free port, or 0 to turn metrics off)") from None
+        async with listener, anyio.create_task_group() as tg:
+            bound = listener.extra(SocketAttribute.local_port)
+            for socket_listener in listener.listeners:  # one per address family the host resolved to
+                tg.start_soon(self._accept, socket_listener, tg)
+            log.info("metrics.listening", url=f"http://{host}:{bound}/metrics")
+            try:
+                yield bound
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _accept(self, listener, tg) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as error:  # out of file descriptors, say: metrics pause, the service goes on
+                log.warning("metrics.accept_failed", error=repr(error))
+                await anyio.sleep(1)
+                continue
+            tg.start_soon(self._answer_http, stream)
+
+    async def _answer_http(self, stream: SocketStream) -> None:
+        # One bad or slow client must never take the service down: every failure ends only its connection.
+        async with stream:
+            try:
+                with anyio.fail_after(5):
+                    head = await BufferedByteReceiveStream(stream).receive_until(b"\r\n\r\n", MAX_REQUEST_HEAD)
+                    await stream.send(await self._response(head))
+            except Exception as error:  # noqa: BLE001 - see above
+                log.debug("metrics.request_failed", error=repr(error))
+
+    async def _response(self, head: bytes) -> bytes:
+        method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
+        path = rest.partition(" ")[0].partition("?")[0]
+        if method not in ("GET", "HEAD"):
+            return _http(405, b"GET /metrics only\n", extra="Allow: GET, HEAD\r\n")
+        if path != "/metrics":
+            return _http(404, b"metrics are at /metrics\n")
+        await self.live.sample_lag()
+        body = self.render()
+        return _http(200, body if method == "GET" else b"", CONTENT_TYPE_LATEST, length=len(body))
+
+
+def _http(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", *, extra: str = "",
+          length: int | None = None) -> bytes:
+    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
+    head = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body) if length is None else length}\r\n{extra}Connection: close\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def answer_fields(answer: AnswerEvent, source: Any, log_prompts: bool) -> dict[str, Any]:
+    """The canonical line's fields. Prompt and answer text only when `log_prompts` (they may be personal)."""
+    question = getattr(source, "question", None)
+    fields = {
+        "question_id": answer.question_id, "request_id": answer.request_id,
+        "tenant": getattr(question, "tenant", None),
+        "partition": getattr(source, "partition", None), "offset": getattr(source, "offset", None),
+        "finish_reason": answer.finish_reason, "error": answer.error.code if answer.error else None,
+        "prompt_tokens": answer.usage.prompt_tokens, "completion_tokens": answer.usage.completion_tokens,
+        "queued_ms": answer.timings.queued_ms, "ttft_ms": answer.timings.ttft_ms, "e2e_ms": answer.timings.e2e_ms,
+        "worker": answer.audit.worker, "channel": answer.audit.channel, "blocks": list(answer.audit.blocks),
+        "routing_bucket": answer.audit.routing_bucket,
+    }
+    if log_prompts:
+        if question is not None:
+            fields["system"] = question.system
+            fields["prompt"] = question.prompt if question.prompt is not None else [
+                {"role": m.role, "content": m.content} for m in question.messages or ()]
+        fields["text"] = answer.text
+    return fields
+
+
+class _LiveCollector:
+    """Reads engine, mailbox and Kafka state when scraped. Families are always listed, empty until attached."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.retired = {"generated": 0, "forwards": 0, "preemptions": 0}  # from engines a restart replaced
+        self.mailboxes: tuple[Mailbox, ...] = ()
+        self.kafka = None
+        self.lag: dict[tuple[str, int], int] = {}  # (topic, partition) -> records behind, at the last scrape
+
+    def attach_engine(self, engine) -> None:
+        if self.engine is not None:  # counters continue across a scheduler restart
+            for key, value in _engine_counts(self.engine.core).items():
+                self.retired[key] += value
+        self.engine = engine
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._engine_families()
+        depth = GaugeMetricFamily("kev_mailbox_depth", "Messages waiting in a mailbox.", labels=["mailbox"])
+        capacity = GaugeMetricFamily("kev_mailbox_capacity", "A mailbox's bound.", labels=["mailbox"])
+        for mailbox in self.mailboxes:
+            stats = mailbox.stats()
+            depth.add_metric([stats.name], stats.depth)
+            capacity.add_metric([stats.name], stats.capacity)
+        yield depth
+        yield capacity
+        yield from self._kafka_families()
+
+    def _engine_families(self) -> Iterator[Metric]:
+        core = self.engine.core if self.engine is not None else None
+        counts = _engine_counts(core) if core is not None else dict.fromkeys(self.retired, 0)
+        for key, name, text in (("generated", "kev_generated_tokens", "Tokens generated."),
+                                ("forwards", "kev_forwards", "Packed forward passes."),
+                                ("preemptions", "kev_preemptions", "Questions preempted for KV room.")):
+            yield CounterMetricFamily(name, text, value=self.retired[key] + counts[key])
+        gauges = {}
+        if core is not None:
+            scheduler, pool = core.scheduler, core.pool
+            gauges = {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                      "used": pool.num_used, "free": pool.num_free}
+        for key, name, text in (("running", "kev_running_questions", "Questions in the running batch."),
+                                ("waiting", "kev_waiting_questions", "Questions queued for the batch."),
+                                ("used", "kev_kv_blocks_used", "KV blocks held by questions."),
+                                ("free", "kev_kv_blocks_free", "KV blocks free in the pool.")):
+            family = GaugeMetricFamily(name, text)
+            if key in gauges:
+                family.add_metric([], gauges[key])
+            yield family
+
+    def _kafka_families(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily("kev_kafka_in_flight", "Fetched records whose outcome is not acked yet.")
+        assigned = GaugeMetricFamily("kev_kafka_assigned_partitions", "Partitions assigned to this worker.")
+        paused = GaugeMetricFamily("kev_kafka_paused_partitions", "Partitions paused by backpressure.")
+        lag = GaugeMetricFamily("kev_consumer_lag", "Records on the broker not yet fetched (highwater - position).",
+                                labels=["topic", "partition"])
+        records = CounterMetricFamily("kev_kafka_records", "Question records fetched.")
+        duplicates = CounterMetricFamily("kev_kafka_duplicates", "Questions not answered again (already seen).")
+        commits = CounterMetricFamily("kev_kafka_commits", "Offset commits.")
+        published = CounterMetricFamily("kev_kafka_published", "Records acked by the broker, by kind "
+                                        "(error_answers include invalid questions the engine never saw).",
+                                        labels=["kind"])
+        if self.kafka is not None:
+            stats = self.kafka.statistics()
+            in_flight.add_metric([], stats.in_flight)
+            assigned.add_metric([], len(stats.assigned))
+            paused.add_metric([], len(stats.paused))
+            for (topic, partition), behind in sorted(self.lag.items()):
+                lag.add_metric([topic, str(partition)], behind)
+            records.add_metric([], stats.records)
+            duplicates.add_metric([], stats.duplicates)
+            commits.add_metric([], stats.commits)
+            for kind in ("answers", "error_answers", "deltas", "dead_letters"):
+                published.add_metric([kind], getattr(stats, kind))
+        yield from (in_flight, assigned, paused, lag, records, duplicates, commits, published)
+
+    async def sample_lag(self) -> None:
+        """Lag per assigned partition: aiokafka's highwater (from the last fetch response) minus position.
+
+        Not end_offsets(): the embedded Tansu broker gets that wrong, while the highwater it sends with
+        each fetch is right. A paused partition is not fetched, so its highwater (and lag) is as of its
+        last fetch until it resumes.
+        """
+        consumer = getattr(self.kafka, "consumer", None)
+        lag = {}
+        try:
+            with anyio.move_on_after(0.5):
+                for tp in consumer.assignment() if consumer is not None else ():
+                    highwater = consumer.highwater(tp)
+                    if highwater is not None:
+                        lag[(tp.topic, tp.partition)] = max(0, highwater - await consumer.position(tp))
+        except Exception as error:  # noqa: BLE001 - revoked or stopping mid-scrape: report what we have
+            log.debug("metrics.lag_unavailable", error=repr(error))
+        self.lag = lag
+
+
+def _engine_counts(core) -> dict[str, int]:
+    return {"generated": core.num_generated, "forwards": core.num_forwards,
+            "preemptions": core.scheduler.num_preemptions}

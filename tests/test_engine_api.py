@@ -1,0 +1,117 @@
+"""IsolatedBatchPipeline as a user calls it: answers in order, stop strings, transformers' greedy, errors."""
+
+import pytest
+import torch
+
+from engine import IsolatedBatchPipeline
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "List three primary colors."]
+NEW_TOKENS = 32
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def pipeline(smollm2):
+    return IsolatedBatchPipeline(smollm2, max_batch_size=8, kv_slot_capacity=2048, early_stop=True)
+
+
+@pytest.fixture(scope="module")
+def greedy(pipeline):
+    return pipeline.run(QUESTIONS, max_new_tokens=NEW_TOKENS, temperature=0.0)
+
+
+@pytest.mark.slow
+def test_answers_come_back_in_order_and_complete(greedy, smollm2):
+    tokenizer = smollm2.tokenizer
+    assert [a.question_id for a in greedy] == ["q0", "q1", "q2"]
+    assert "Paris" in greedy[0].text
+    for prompt, answer in zip(QUESTIONS, greedy):
+        assert answer.error is None and answer.finish_reason in ("stop", "length")
+        assert answer.text.strip() and answer.text == tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+        assert answer.usage.prompt_tokens == len(chat_ids(tokenizer, prompt))
+        assert answer.usage.completion_tokens == len(answer.token_ids) <= NEW_TOKENS
+        if answer.finish_reason == "stop":
+            assert answer.token_ids[-1] in smollm2.spec.eos_token_ids
+        else:
+            assert len(answer.token_ids) == NEW_TOKENS
+        t = answer.timings
+        assert 0 <= t.queued_ms <= t.ttft_ms <= t.e2e_ms and t.e2e_ms > 0
+
+
+@pytest.mark.slow
+def test_greedy_answers_equal_transformers_generate(greedy, smollm2):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    for prompt, answer in zip(QUESTIONS[:2], greedy):
+        ids = chat_ids(smollm2.tokenizer, prompt)
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                     eos_token_id=list(smollm2.spec.eos_token_ids), pad_token_id=0)
+        assert list(answer.token_ids) == out[0, len(ids):].tolist(), prompt
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_the_text_cleanly(pipeline, greedy):
+    full = greedy[1].text
+    words = full.split()
+    stop = words[len(words) // 2]
+    cut = full[: full.find(stop)]
+    assert cut  # the stop string sits inside the answer, not at its start
+    answer = pipeline.run([{"prompt": QUESTIONS[1], "params": {"stop": [stop]}}],
+                          max_new_tokens=NEW_TOKENS, temperature=0.0)[0]
+    assert answer.finish_reason == "stop"
+    assert stop not in answer.text
+    assert answer.text == cut
+    assert len(answer.token_ids) < len(greedy[1].token_ids)
+
+
+@pytest.mark.slow
+def test_early_stop_off_gives_the_same_answers(smollm2, greedy):
+    lazy = IsolatedBatchPipeline(smollm2, max_batch_size=8, kv_slot_capacity=2048, early_stop=False, num_blocks=256)
+    answers = lazy.run(QUESTIONS, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    for fast, slow in zip(greedy, answers):
+        assert (slow.text, slow.token_ids, slow.finish_reason) == (fast.text, fast.token_ids, fast.finish_reason)
+    assert lazy.core.pool.num_used == 0
+
+
+@pytest.mark.slow
+def test_prompt_too_long_is_an_error_answer_and_the_rest_run(pipeline):
+    answers = pipeline.run(["hello " * 2100, QUESTIONS[0]], max_new_tokens=4, temperature=0.0)
+    assert answers[0].finish_reason == "error" and answers[0].error.code == "prompt_too_long"
+    assert answers[1].error is None and answers[1].token_ids
+    assert pipeline.core.pool.num_used == 0
+
+
+def test_prompt_past_the_models_positions_is_refused_not_a_crash(tiny_models):
+    """A model with 512 positions under the default max_context (2048): a longer prompt is rejected
+    with prompt_too_long, a prompt that would grow past 512 ends there with "length", and the
+    question sharing the batch still gets its answer."""
+    from engine import EngineCore, EngineOptions, QuestionRejected
+    from engine.defaults import Defaults
+    from schemas import Params, QuestionEvent
+
+    model = tiny_models["llama"].kev
+    assert model.spec.max_position == 512
+    core = EngineCore(model, EngineOptions(num_blocks=256, batch_window_ms=0.0, defaults=Defaults()))
+
+    def ask(qid: str, length: int, new_tokens: int):
+        event = QuestionEvent(question_id=qid, prompt="(ids)", params=Params(max_new_tokens=new_tokens))
+        return core.add(event, prompt_ids=[i % 200 + 20 for i in range(length)])
+
+    with pytest.raises(QuestionRejected) as rejected:
+        ask("too-long", 600, 8)
+    assert rejected.value.code == "prompt_too_long"
+    ask("grows-past", 490, 40)
+    ask("short", 3, 8)
+    answers = {}
+    while core.has_work:
+        answers.update((a.question_id, a) for a in core.step().answers)
+    assert answers["grows-past"].finish_reason == "length"
+    assert answers["grows-past"].usage.prompt_tokens + answers["grows-past"].usage.completion_tokens <= 512
+    assert len(answers["short"].token_ids) == 8
