@@ -2,9 +2,10 @@
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, TokenDelta
 from engine.engine import Engine, Handle
+from engine.lora import AdapterError, LoraAdapter
 from engine.model import Model, load_model
 from engine.options import EngineOptions
 from engine.pipeline import Answer, IsolatedBatchPipeline
 
-__all__ = ["Answer", "Engine", "Handle", "EngineCore", "EngineOptions", "IsolatedBatchPipeline", "Model", "QuestionRejected",
-           "StepEvents", "TokenDelta", "load_model"]
+__all__ = ["AdapterError", "Answer", "Engine", "Handle", "EngineCore", "EngineOptions", "IsolatedBatchPipeline",
+           "LoraAdapter", "Model", "QuestionRejected", "StepEvents", "TokenDelta", "load_model"]

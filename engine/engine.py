@@ -16,6 +16,7 @@ import anyio.from_thread
 import anyio.to_thread
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, rejected_answer
+from engine.lora import LoraAdapter
 from engine.options import EngineOptions
 from engine.prompt import as_question
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
@@ -39,6 +40,28 @@ class Handle:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+@dataclass(eq=False)
+class _Call:
+    """A function to run on the device thread between two steps, and its outcome for the caller."""
+
+    fn: object
+    args: tuple
+    done: anyio.Event = field(default_factory=anyio.Event)
+    value: object = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+        except Exception as exc:  # handed to the caller, who awaits it; the step loop goes on
+            self.error = exc
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class Engine:
@@ -100,6 +123,14 @@ class Engine:
     def cancel(self, handle: Handle | str) -> None:
         self._commands.put(("cancel", handle if isinstance(handle, str) else handle.question_id))
 
+    async def load_adapter(self, name: str, path) -> LoraAdapter:
+        """Hot-load or replace a LoRA adapter between two steps; questions in flight keep their version."""
+        return await self._on_device_thread(self.core.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """New questions naming `name` get `unknown_adapter`; those in flight finish with it."""
+        await self._on_device_thread(self.core.unload_adapter, name)
+
     def update_defaults(self, **changes) -> int:
         """New sampling defaults for questions admitted from now on; returns the new version."""
         return self.core.defaults.update(**changes).version
@@ -113,6 +144,18 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return len(self._handles)
+
+    async def _on_device_thread(self, fn, *args):
+        """Run `fn(*args)` where the core lives, so it never races a step."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
+        call = _Call(fn, args)
+        if self._task_group is None:  # not started: no device thread, nothing else touches the core
+            call.run()
+            return call.result()
+        self._commands.put(("call", call))
+        await call.done.wait()
+        return call.result()
 
     # -- the device thread -------------------------------------------------------------------------
     async def _run_device_thread(self) -> None:
@@ -131,6 +174,7 @@ class Engine:
         for qid in list(self._handles):  # closing: whatever is left ends as cancelled
             core.cancel(qid)
         self._deliver_from_thread(core.step())
+        self._refuse_queued_calls()
 
     def _drain_commands(self, block_for: float | None) -> bool:
         """Apply every queued command, blocking up to `block_for` seconds (None = until one comes)."""
@@ -147,9 +191,24 @@ class Engine:
             except queue.Empty:
                 return True
 
+    def _refuse_queued_calls(self) -> None:
+        """Calls queued behind the stop would otherwise wait forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not _STOP and command[0] == "call":
+                command[1].error = RuntimeError("the engine closed before this call ran")
+                anyio.from_thread.run_sync(command[1].done.set)
+
     def _apply(self, verb: str, arg) -> None:
         if verb == "cancel":
             self.core.cancel(arg)
+            return
+        if verb == "call":
+            arg.run()
+            anyio.from_thread.run_sync(arg.done.set)
             return
         question, arrival = arg
         try:

@@ -26,6 +26,7 @@ class EngineOptions:
     deterministic: bool = False  # bitwise-identical logits whatever shares the forward (slower)
     audit: bool = False  # log a `forward.mask` summary per forward
     debug: bool = False  # add the token-level routing table to each summary
+    max_loras: int = 8  # LoRA adapters resident at once; idle ones are evicted least recently used first
     worker: str = "kev"
     defaults: Defaults = field(default_factory=Defaults.from_env)
 

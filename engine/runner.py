@@ -8,7 +8,8 @@ import torch
 
 from engine.attention import Segment, TorchAttention
 from engine.kv_cache import KVCache
-from engine.lora import LoraBatch
+from engine.layers import ROW_TILE
+from engine.lora import LoraBatch, LoraStacks
 from engine.sampler import Sampler, SampleRow
 from engine.scheduler import StepPlan
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.attention = attention or TorchAttention(kv, deterministic=self.weights.deterministic)
         self.sampler = sampler or Sampler()
         self.device = model.device
+        self.lora_stacks = LoraStacks(model.dtype)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -47,7 +49,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         attend = self.attention.prepare(segments)
         lora = LoraBatch.build([(c.seq.lora, s.q_start, s.q_len) for s, c in zip(segments, plan.chunks)],
-                               self.device, self.weights.linear)
+                               self.device, self.lora_stacks, ROW_TILE if self.weights.deterministic else 1)
         # Without adapters the call is exactly the base one: no LoRA argument, no LoRA work.
         hidden = (self.weights.forward(ids, pos, attend) if lora is None
                   else self.weights.forward(ids, pos, attend, lora=lora))

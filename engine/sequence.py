@@ -66,7 +66,8 @@ class Sequence:
     channel: int = 0
     priority: int = 0
     deadline: float | None = None  # time.monotonic() value; None = no deadline
-    adapter: str | None = None
+    adapter: str | None = None  # the adapter's name, as asked for
+    lora: object | None = None  # the adapter version resolved at admission (engine.lora.LoraAdapter)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -87,6 +88,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cache_namespace(self) -> tuple[str, int] | None:
+        """(adapter, version) of the weights that computed this question's KV; None = the base model.
+
+        KV blocks belong to one question, so nothing crosses adapters today. Kev has no prefix cache
+        yet; when it gets one, its keys must include this, or a prefix computed under one adapter
+        would be served to another.
+        """
+        return None if self.lora is None else self.lora.key
 
     @property
     def num_prompt_tokens(self) -> int:

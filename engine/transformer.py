@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.layers import apply_rope, linear, rms_norm, tiled_linear
+
+if TYPE_CHECKING:
+    from engine.lora import LoraBatch
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,23 +79,33 @@ class Transformer:
         cos, sin = (t.to(device=device, dtype=dtype) for t in rope)
         return cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin), deterministic)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flat tokens `input_ids` at their own `positions`."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flat tokens `input_ids` at their own `positions`.
+
+        `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
+        """
         cos, sin = self.cos[positions], self.sin[positions]
         hidden = self.embed[input_ids]
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend)
-            hidden = hidden + self._mlp(layer, hidden)
+            hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend, lora)
+            hidden = hidden + self._mlp(index, layer, hidden, lora)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits only for the rows that draw a token; prompt rows never reach the output layer."""
         return self.linear(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
 
-    def _attention(self, index, layer: LayerWeights, hidden, cos, sin, attend: Attend) -> torch.Tensor:
+    def _project(self, x, weight, lora: LoraBatch | None, index: int, name: str, bias=None) -> torch.Tensor:
+        out = self.linear(x, weight, bias)
+        if lora is not None:
+            lora.add(index, name, x, out)
+        return out
+
+    def _attention(self, index, layer: LayerWeights, hidden, cos, sin, attend: Attend, lora) -> torch.Tensor:
         spec = self.spec
         x = rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
-        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, spec.num_kv_heads, spec.head_dim)
         if layer.q_norm is not None:
@@ -101,12 +114,12 @@ class Transformer:
         # q and k side by side: one rotary pass for both.
         q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
         out = attend(index, q, k, v)
-        return self.linear(out.reshape(-1, self.q_size), layer.o_proj)
+        return self._project(out.reshape(-1, self.q_size), layer.o_proj, lora, index, "o_proj")
 
-    def _mlp(self, layer: LayerWeights, hidden) -> torch.Tensor:
+    def _mlp(self, index, layer: LayerWeights, hidden, lora) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_norm, self.spec.rms_norm_eps)
-        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, layer.down)
+        gate, up = self._project(x, layer.gate_up, lora, index, "gate_up").chunk(2, dim=-1)
+        return self._project(F.silu(gate) * up, layer.down, lora, index, "down")
 
 
 def _layer(spec, get, prefix: str) -> LayerWeights:

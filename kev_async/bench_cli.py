@@ -23,6 +23,23 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
                         help="skip (a), the slowest run (minutes); (c) is then checked against (b)")
     engine.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     engine.set_defaults(func=_bench_engine)
+    _add_bench_lora(kinds)
+
+
+def _add_bench_lora(kinds: argparse._SubParsersAction) -> None:
+    lora = kinds.add_parser(
+        "lora", help="Kev with 4 LoRA adapters mixed in one batch vs no adapter",
+        description="Writes random PEFT adapters (all linear targets) to a temporary folder, then runs the "
+                    "same questions with no adapter and with the adapters assigned round-robin, alternating, "
+                    "in one engine; greedy. Prints tokens/s of each (median of --repeats) and the ratio.")
+    lora.add_argument("--model", default="smollm2-135m-instruct")
+    lora.add_argument("--questions", type=int, default=32, help="how many of the mixed questions (default 32)")
+    lora.add_argument("--max-new-tokens", type=int, default=64)
+    lora.add_argument("--repeats", type=int, default=3, help="runs per variant; the median is kept")
+    lora.add_argument("--adapters", type=int, default=4)
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    lora.set_defaults(func=_bench_lora)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -37,4 +54,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     bench_engine(model, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
                  repeats=args.repeats, sequential=not args.skip_sequential)
+    return 0
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from engine import load_model
+    from engine.bench import bench_lora
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    bench_lora(load_model(args.model), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
+               repeats=args.repeats, num_adapters=args.adapters, rank=args.rank)
     return 0
