@@ -22,6 +22,7 @@ from engine.kv_cache import KVCache, plan_num_blocks
 from engine.lora import AdapterError, AdapterPoolFull, LoraAdapter, LoraPool, UnknownAdapter
 from engine.options import EngineOptions
 from engine.prompt import encode_prompt
+from engine.routing import Router
 from engine.runner import ModelRunner
 from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.sequence import Sequence, Status
@@ -74,6 +75,7 @@ class EngineCore:
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
+        self.router = Router(options.routing_strategy, options.routing_buckets)
         self._questions: dict[str, QuestionEvent] = {}
         self._streams: dict[str, TextStream] = {}
         self._sequences: dict[str, Sequence] = {}
@@ -95,12 +97,13 @@ class EngineCore:
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
         lora = self._acquire_adapter(question.adapter)
+        timeout_ms = question.timeout_ms or self.options.default_timeout_ms
         seq = Sequence(
             question_id=qid,
             prompt_ids=list(prompt_ids),
             params=self.defaults.resolve(question.params, self.stop_token_ids),
             priority=question.priority,
-            deadline=arrival + question.timeout_ms / 1000 if question.timeout_ms else None,
+            deadline=arrival + timeout_ms / 1000 if timeout_ms else None,
             arrival=arrival,
             adapter=question.adapter,
             lora=lora,
@@ -111,6 +114,7 @@ class EngineCore:
             self.loras.release(lora)
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
+        seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         self._questions[qid], self._sequences[qid] = question, seq
         self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
         return seq
@@ -189,6 +193,7 @@ class EngineCore:
             timings=_timings(seq),
             audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
                         steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
+                        routing_bucket=seq.routing_bucket,
                         defaults_version=seq.params.defaults_version),
         )
 

@@ -28,11 +28,17 @@ class EngineOptions:
     debug: bool = False  # add the token-level routing table to each summary
     max_loras: int = 8  # LoRA adapters resident at once; idle ones are evicted least recently used first
     worker: str = "kev"
+    default_timeout_ms: int | None = None  # deadline for questions that set none (aggregator.timeout_ms)
+    routing_strategy: str = "round_robin"  # the routing bucket recorded in each answer's audit
+    routing_buckets: int = 64
     defaults: Defaults = field(default_factory=Defaults.from_env)
 
     @classmethod
     def from_config(cls, cfg, worker: str = "kev") -> "EngineOptions":
         """Map a schemas.KevConfig onto the engine's options."""
+        if cfg.isolation.level != "strict":
+            raise ValueError("isolation.level: 'shared' (a read-only shared prefix) is not implemented yet; "
+                             "use 'strict'")
         s = cfg.sampling
         return cls(
             max_batch_size=cfg.router.max_parallel_queries,
@@ -53,6 +59,9 @@ class EngineOptions:
             audit=cfg.isolation.debug or cfg.logging.level == "debug",
             debug=cfg.isolation.debug,
             worker=worker,
+            default_timeout_ms=cfg.aggregator.timeout_ms,
+            routing_strategy=cfg.router.strategy,
+            routing_buckets=cfg.router.channel_pool_size,
             defaults=Defaults(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens,
                               seed=s.seed),

@@ -80,6 +80,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    routing_bucket: int | None = None
     audit_blocks: tuple[int, ...] = ()  # the blocks it held when it ended, for the answer's audit
 
     def __post_init__(self) -> None:
