@@ -200,3 +200,20 @@ def report_lora(runs: dict, model, num_questions: int, max_new_tokens: int, repe
         out(f"| {run.name} | {run.tokens} | {run.seconds:.2f} | {run.rate:.1f} |")
     base, lora = runs.values()
     out(f"adapters / no adapter = {lora.rate / base.rate:.2f}x (target >= 0.70x)")
+
+
+def bench_scaling(model, *, counts=(1, 2, 4, 8, 16, 32), max_new_tokens: int = 32, out=print) -> dict:
+    """Tokens/s against the number of questions, for Kev and both transformers baselines."""
+    hf = hf_model(model)
+    rates: dict[str, list[float]] = {"kev": [], "transformers, one at a time": [], "transformers, padded batch": []}
+    for count in counts:
+        questions = [as_question(q, i) for i, q in enumerate((QUESTIONS * 8)[:count])]
+        prompts = [encode_prompt(model.tokenizer, q) for q in questions]
+        kev = run_kev(model, questions, max_new_tokens, early_stop=True, repeats=1)
+        sequential = run_hf_sequential(hf, model, prompts, max_new_tokens)
+        padded = run_hf_padded(hf, model, prompts, max_new_tokens)
+        for name, run in zip(rates, (kev, sequential, padded)):
+            rates[name].append(run.rate)
+        out(f"{count:3} questions: kev {kev.rate:6.1f}  one-at-a-time {sequential.rate:6.1f}  "
+            f"padded {padded.rate:6.1f} tokens/s")
+    return {"counts": list(counts), "rates": rates, "max_new_tokens": max_new_tokens, "model": model.name}

@@ -24,6 +24,8 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     engine.set_defaults(func=_bench_engine)
     _add_bench_lora(kinds)
+    _add_bench_scaling(kinds)
+    _add_bench_kafka(kinds)
 
 
 def _add_bench_lora(kinds: argparse._SubParsersAction) -> None:
@@ -40,6 +42,68 @@ def _add_bench_lora(kinds: argparse._SubParsersAction) -> None:
     lora.add_argument("--rank", type=int, default=8)
     lora.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     lora.set_defaults(func=_bench_lora)
+
+
+def _add_bench_scaling(kinds: argparse._SubParsersAction) -> None:
+    scaling = kinds.add_parser(
+        "scaling", help="tokens/s against the number of questions, with a plot",
+        description="For 1, 2, 4, ... 32 questions: Kev, transformers one at a time and transformers on one "
+                    "padded batch (greedy). Prints a line per count and draws the curves to --output.")
+    scaling.add_argument("--model", default="smollm2-135m-instruct")
+    scaling.add_argument("--max-new-tokens", type=int, default=32)
+    scaling.add_argument("--counts", default="1,2,4,8,16,32", help="comma-separated question counts")
+    scaling.add_argument("--output", "-o", default="docs/throughput.png")
+    scaling.add_argument("--threads", type=int, default=None)
+    scaling.set_defaults(func=_bench_scaling)
+
+
+def _add_bench_kafka(kinds: argparse._SubParsersAction) -> None:
+    kafka = kinds.add_parser(
+        "kafka", help="the same questions through the bare engine and through Kafka",
+        description="Answer N questions with the engine alone, then publish them to an embedded broker and "
+                    "read the answers back through `kev serve` (in process); prints both rates and the ratio.")
+    kafka.add_argument("--model", default="smollm2-135m-instruct")
+    kafka.add_argument("--questions", type=int, default=64)
+    kafka.add_argument("--max-new-tokens", type=int, default=32)
+    kafka.add_argument("--threads", type=int, default=None)
+    kafka.set_defaults(func=_bench_kafka)
+
+
+def _bench_scaling(args: argparse.Namespace) -> int:
+    from engine.bench import bench_scaling
+    from kev_async.bench_plots import plot_scaling
+
+    model = _model(args)
+    result = bench_scaling(model, counts=tuple(int(c) for c in args.counts.split(",")),
+                           max_new_tokens=args.max_new_tokens)
+    plot_scaling(result, args.output)
+    print(f"plot written to {args.output}")
+    return 0
+
+
+def _bench_kafka(args: argparse.Namespace) -> int:
+    import anyio
+    import msgspec
+
+    from kev_async.bench_plots import bench_kafka
+    from schemas import KevConfig, MetricsConfig
+
+    model = _model(args)
+    cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
+    anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens),
+              backend="asyncio")
+    return 0
+
+
+def _model(args: argparse.Namespace):
+    import os
+
+    import torch
+
+    from engine import load_model
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    return load_model(args.model)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
