@@ -68,18 +68,21 @@ class TorchAttention:
 
 class TorchStep:
     def __init__(self, backend: TorchAttention, segments: list[Segment]):
-        kv = backend.kv
+        kv, device = backend.kv, backend.kv.k.device
         self.kv = kv
-        device = kv.k.device
+        self.deterministic = backend.deterministic
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
-        decodes = [] if backend.deterministic else [s for s in segments if s.q_len == 1]
+        decodes = [] if self.deterministic else [s for s in segments if s.q_len == 1]
         self.decode = _DecodeGroup(decodes, kv.block_size, device) if decodes else None
-        self.deterministic = from_cache = backend.deterministic
-        self.prompts = [
-            (seg, context_slots(seg.block_ids, seg.kv_len, kv.block_size).to(device)
-             if seg.cached or from_cache else None)
-            for seg in segments if self.decode is None or seg.q_len > 1
-        ]
+        # Prompt chunks (and, in deterministic mode, everything) attend per question; a chunk with no
+        # cached prefix can use its fresh keys, except in deterministic mode, which always reads the cache.
+        self.prompts = [(seg, self._context(seg, device)) for seg in segments
+                        if self.decode is None or seg.q_len > 1]
+
+    def _context(self, seg: Segment, device) -> torch.Tensor | None:
+        if not (seg.cached or self.deterministic):
+            return None
+        return context_slots(seg.block_ids, seg.kv_len, self.kv.block_size).to(device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
