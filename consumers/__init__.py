@@ -1,10 +1,12 @@
-"""Kev's Kafka side: the question consumer, the answer publisher, offsets, the DLQ, the embedded broker.
+"""Kev's Kafka side: the question consumer, the answer publisher, offsets, the DLQ, the control
+reader, the embedded broker.
 
 Imports only `schemas` (and libraries); anyio memory streams of `Inbound` / `Outbound` connect it
 to the engine actor. Everything that touches Kafka runs on anyio's asyncio backend.
 """
 
 from consumers.broker import EMBEDDED, BrokerStartError, EmbeddedBroker, embedded_kafka
+from consumers.control import run_control_reader
 from consumers.messages import Inbound, Outbound, Partition, Position
 from consumers.offsets import OffsetRegression, OffsetTracker
 from consumers.topics import create_topics, ensure_topics, topic_plan
@@ -25,6 +27,7 @@ __all__ = [
     "create_topics",
     "embedded_kafka",
     "ensure_topics",
+    "run_control_reader",
     "run_kafka_io",
     "topic_plan",
 ]

@@ -1,7 +1,8 @@
 """The Kev service: Kafka in, the scheduler actor, Kafka out — wired, started in order, stopped gracefully.
 
     consumers.KafkaWorker ──Inbound──► [engine.questions] ──► engine_actor ──► [engine.answers] ──Outbound──┐
-            ▲                                                                                               │
+            ▲                                 ▲                                                             │
+            │ kev.control ─► control_actor ───┘ LoadAdapter / UnloadAdapter / UpdateDefaults (by ask)       │
             └──────────────────────── acked answers, then committed offsets ◄──────────────────────────────┘
 
 aiokafka is asyncio-only, so the service runs on anyio's asyncio backend.
@@ -17,15 +18,16 @@ from functools import partial
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka
+from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_reader
 from engine import Engine, EngineOptions, load_model
-from kev_async.actors import Mailbox
-from kev_async.engine_actor import engine_actor
+from kev_async.actors import Mailbox, ask
+from kev_async.engine_actor import LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
 from kev_async.lifecycle import Shutdown
 from kev_async.metrics import Metrics
 from kev_async.supervisor import Child, RestartPolicy, Supervisor
-from schemas import KevConfig
+from schemas import ControlEvent, KafkaConfig, KevConfig
 
 log = structlog.get_logger("kev.app")
 
@@ -37,6 +39,7 @@ EMBEDDED_CONSUMER_OPTIONS = {"session_timeout_ms": 6000, "heartbeat_interval_ms"
 # against a broker `kev serve` did not start. When set, the consumer group uses this session timeout
 # (rebalance timeout equal to it, heartbeats at a tenth of it) on any broker.
 SESSION_TIMEOUT_ENV = "KEV_KAFKA_SESSION_TIMEOUT_MS"
+CONTROL_TIMEOUT_S = 120.0  # the engine actor applies one control command within this, or it is logged as failed
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
             Child("scheduler", partial(engine_actor, wrap=metrics.wrap(Outbound),
                                        engine_factory=lambda: metrics.watch_engine(Engine(model, options))),
                   (questions.receive, answers.send), RestartPolicy(max_restarts=3, within_s=60)),
+            # Control commands next: it is ready once the commands already on the control topic are applied,
+            # so the questions taken after it see those adapters and defaults. A crash restarts it (it
+            # replays the topic again); its own clone of the inbox's send end closes when it ends.
+            Child("control", control_actor, (kafka_cfg, questions, shutdown),
+                  RestartPolicy(max_restarts=3, within_s=60, backoff_s=1.0)),
             Child("kafka", worker.run, policy=RestartPolicy(restart="temporary")),
         ])
         async with anyio.create_task_group() as tg:
@@ -102,3 +110,72 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
             task_status.started(Running(kafka_cfg.bootstrap_servers, name, model.name))
             await shutdown.requested.wait()
             worker.stop_intake()  # the engine drains, answers are acked, offsets committed; then run() returns
+
+
+async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Shutdown, *,
+                        reader=run_control_reader, timeout: float = CONTROL_TIMEOUT_S,
+                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    """Apply the control topic's commands through the engine actor's inbox until shutdown is requested.
+
+    Sends on a clone of the inbox's send end, closed when this actor ends, so the inbox still ends
+    once the Kafka intake closes the original (the engine's graceful stop). Ready once every command
+    already on the topic has been applied; each command is sent with `ask` and applied before the next.
+    """
+    started = False
+    with shutdown.intake():
+        try:
+            inbox = questions.send.clone()
+        except anyio.ClosedResourceError:  # the intake has closed the inbox: the engine is stopping
+            inbox = None
+        if inbox is not None:
+            with inbox:
+                applier = _ControlApplier(inbox, timeout)
+                send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(applier.run, receive)
+                    replayed = await tg.start(reader, kafka_cfg, send)
+                    await applier.wait_applied(replayed)
+                    log.info("control.ready", topic=kafka_cfg.control_topic, replayed=replayed)
+                    started = True
+                    task_status.started()
+    if not started:  # shut down before it was ready: still let the supervisor go on
+        task_status.started()
+
+
+class _ControlApplier:
+    """Turns each ControlEvent into the engine actor's message and waits for its outcome."""
+
+    def __init__(self, inbox: MemoryObjectSendStream, timeout: float) -> None:
+        self.inbox, self.timeout = inbox, timeout
+        self.applied = 0  # commands handled, whatever their outcome
+        self._progress = anyio.Event()
+
+    async def run(self, receive: MemoryObjectReceiveStream[ControlEvent]) -> None:
+        async with receive:
+            async for event in receive:
+                await self.apply(event)
+                self.applied += 1
+                self._progress.set()
+                self._progress = anyio.Event()
+
+    async def wait_applied(self, count: int) -> None:
+        while self.applied < count:
+            await self._progress.wait()
+
+    async def apply(self, event: ControlEvent) -> None:
+        if event.action == "load_adapter":
+            body = LoadAdapter(event.name, event.path)
+        elif event.action == "unload_adapter":
+            body = UnloadAdapter(event.name)
+        else:
+            body = UpdateDefaults(dict(event.defaults or {}))
+        try:
+            result = await ask(self.inbox, body, self.timeout)
+        except Exception as error:  # noqa: BLE001 - a bad command is logged; the next one still applies
+            reason = f"adapter {event.name!r} is not loaded" if isinstance(error, KeyError) else str(error)
+            log.warning("control.failed", action=event.action, name=event.name, error=reason or repr(error),
+                        error_type=type(error).__name__)
+            return
+        version = getattr(result, "version", result)  # the adapter's version, the defaults' version, None
+        log.info("control.applied", action=event.action, name=event.name, version=version,
+                 **({"defaults": event.defaults} if event.defaults else {}))

@@ -16,6 +16,7 @@ answer by question_id to the task that asked; `open_engine_client` wires actor a
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,26 @@ class UpdateDefaults:
     changes: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Load (or replace: a new version) a PEFT LoRA adapter; questions taken after it may name it.
+
+    Applied between two steps, and awaited before the actor reads its next message, so a question
+    behind it in the inbox sees it. Send it plainly (a failure is logged) or with `ask` (reply = the
+    engine's LoraAdapter, or the error raised)."""
+
+    name: str
+    path: str | os.PathLike
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """New questions naming the adapter get `unknown_adapter`; those in flight finish with it.
+    Plainly or with `ask` (reply = None, or the error: KeyError for a name that is not loaded)."""
+
+    name: str
+
+
 class DeviceBusy(RuntimeError):
     """A second scheduler actor for a device that already has one."""
 
@@ -78,7 +99,8 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
                        engine_factory: Callable[[], Engine], max_in_flight: int | None = None,
                        wrap: Callable[[AnswerEvent | AnswerDelta, Any], Any] | None = None,
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Own one Engine: take Submit / Cancel / Request(UpdateDefaults) messages, send answers out.
+    """Own one Engine: take Submit / Cancel / Request(UpdateDefaults) / LoadAdapter / UnloadAdapter
+    messages (the last two plainly or as a Request), send answers out.
 
     `wrap(event, source)` builds what goes into the outbox; without it the bare events go.
     At most `max_in_flight` questions (default: two full batches) are taken and not yet answered;
@@ -121,6 +143,10 @@ class _SchedulerActor:
                 self.engine.cancel(question_id)
             case Request(body=UpdateDefaults(changes=changes), reply_to=reply_to):
                 self._update_defaults(changes, reply_to)
+            case LoadAdapter() | UnloadAdapter():
+                await self._adapter_command(message, None)
+            case Request(body=LoadAdapter() | UnloadAdapter() as command, reply_to=reply_to):
+                await self._adapter_command(command, reply_to)
             case _:
                 log.error("engine_actor.unknown_message", message=repr(message)[:200])
 
@@ -136,6 +162,24 @@ class _SchedulerActor:
             reply_to.set(self.engine.update_defaults(**changes))
         except (TypeError, ValueError) as bad_change:  # the asker's mistake: it gets the error
             reply_to.fail(bad_change)
+
+    async def _adapter_command(self, command: LoadAdapter | UnloadAdapter, reply_to: Reply | None) -> None:
+        """Load or unload now; a failure (bad files, unknown name, engine closed) never ends the actor."""
+        try:
+            if isinstance(command, LoadAdapter):
+                result = await self.engine.load_adapter(command.name, command.path)
+            else:
+                result = await self.engine.unload_adapter(command.name)
+        except Exception as error:  # noqa: BLE001 - the sender's mistake, not the actor's: log, reply
+            # A KeyError's str is just the quoted key; say what it means.
+            reason = f"adapter {command.name!r} is not loaded" if isinstance(error, KeyError) else str(error)
+            log.warning("engine_actor.adapter_failed", command=type(command).__name__, adapter=command.name,
+                        error=reason, error_type=type(error).__name__)
+            if reply_to is not None:
+                reply_to.fail(error)
+            return
+        if reply_to is not None:
+            reply_to.set(result)
 
     async def _forward(self, handle: Handle) -> None:
         """Send one question's deltas (if it streams) and then its answer; free its place after."""

@@ -1,0 +1,129 @@
+"""The control reader: every command on the control topic, from its first record, into a stream.
+
+    send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+    replayed = await tg.start(run_control_reader, cfg, send)   # then: async for event in receive
+
+Every worker must apply every command, so the reader joins no consumer group (group_id=None) and
+commits nothing: each time it starts it reads the topic from the earliest offset, and replaying
+the whole topic in order rebuilds the adapter registry and the sampling defaults as they were
+commanded. "earliest" is also the only reliable choice on the embedded Tansu broker, whose answers
+for "latest" / seek_to_end (ListOffsets) are wrong; the highwater it sends with each fetch is
+right, and that is what tells the reader it has caught up. Order holds within a partition only,
+so the control topic has one partition (consumers.topics creates it so).
+
+A record that does not decode is logged (a structlog warning with its offset and reason) and
+skipped: a bad command never stops the reader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from consumers.security import client_options
+from consumers.topics import create_topics
+from schemas import ControlEvent, InvalidControl, KafkaConfig, decode_control
+
+log = structlog.get_logger("kev.consumers.control")
+
+
+async def run_control_reader(
+    cfg: KafkaConfig,
+    out: MemoryObjectSendStream[ControlEvent],
+    *,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    create_topic: bool = True,
+    catch_up_timeout: float = 15.0,
+    poll_timeout_ms: int = 100,
+    consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
+) -> None:
+    """Send each valid command on `cfg.control_topic` to `out`, from the topic's first record, until
+    cancelled (or until `out`'s receiver is closed); closes `out` when it ends.
+
+    Ready — `task_status.started(n)` — once every command that was on the topic when it started is
+    in `out` (n of them, so the caller can wait until it has applied n before it takes questions);
+    if catching up takes longer than `catch_up_timeout` seconds it is ready anyway, with a warning,
+    and the rest follows as it is read.
+    """
+    consumer = AIOKafkaConsumer(
+        cfg.control_topic, bootstrap_servers=cfg.bootstrap_servers, group_id=None,
+        auto_offset_reset="earliest", enable_auto_commit=False,
+        **client_options(cfg.security), **dict(consumer_options or {}),
+    )
+    reader = _ControlReader(consumer, out, poll_timeout_ms)
+    async with out:
+        if create_topic:
+            await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security)
+        await consumer.start()
+        try:
+            replayed = await reader.catch_up(catch_up_timeout)
+            log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped)
+            task_status.started(replayed)
+            while True:
+                await reader.poll_once()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            log.info("control.reader_stopped", reason="its receiver closed")
+        finally:
+            with anyio.move_on_after(5.0, shield=True):
+                try:
+                    await consumer.stop()
+                except KafkaError as error:
+                    log.warning("control.reader_stop_failed", error=repr(error))
+
+
+class _ControlReader:
+    def __init__(self, consumer: AIOKafkaConsumer, out: MemoryObjectSendStream[ControlEvent],
+                 poll_timeout_ms: int) -> None:
+        self.consumer, self.out, self.poll_timeout_ms = consumer, out, poll_timeout_ms
+        self.sent = 0
+        self.skipped = 0
+
+    async def catch_up(self, timeout: float) -> int:
+        """Read until the position reaches the highwater of every partition; returns how many were sent."""
+        deadline = time.monotonic() + timeout
+        while not await self._caught_up():
+            if time.monotonic() > deadline:
+                log.warning("control.catch_up_timeout", timeout_s=timeout, replayed=self.sent,
+                            assigned=len(self.consumer.assignment()))
+                break
+            await self.poll_once()
+        return self.sent
+
+    async def poll_once(self) -> None:
+        batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms)
+        for records in batch.values():
+            for record in records:
+                event = self._decode(record)
+                if event is not None:
+                    await self.out.send(event)
+                    self.sent += 1
+
+    def _decode(self, record: ConsumerRecord) -> ControlEvent | None:
+        where = {"topic": record.topic, "partition": record.partition, "offset": record.offset}
+        try:
+            return decode_control(record.value if record.value is not None else b"")
+        except InvalidControl as bad:
+            log.warning("control.skipped", **where, reason=bad.reason, message=bad.message)
+        except Exception as error:  # noqa: BLE001 - a decoder bug must not stop the reader
+            log.exception("control.decode_crashed", **where, error=repr(error))
+        self.skipped += 1
+        return None
+
+    async def _caught_up(self) -> bool:
+        assigned = self.consumer.assignment()
+        if not assigned:
+            return False  # no metadata for the topic yet
+        for tp in assigned:
+            highwater = self.consumer.highwater(tp)  # from the last fetch response; None before the first
+            if highwater is None or await self.consumer.position(tp) < highwater:
+                return False
+        return True
