@@ -26,7 +26,7 @@ StopStrings = Annotated[tuple[StopString, ...], Meta(max_length=16)]
 
 _MISSING = object()
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_PATH_PART = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")  # msgspec writes a dict value as [...]
 _BOUND = re.compile(r"^Expected `\w+` (?P<op>>=|>|<=|<) (?P<bound>\S+)$")
 _LENGTH = re.compile(r"^Expected `(?P<kind>\w+)` of length (?P<op>>=|<=) (?P<bound>\d+)$")
 _TYPE = re.compile(r"^Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`$")
@@ -47,7 +47,10 @@ def explain(error: msgspec.ValidationError, data: Any, root: type) -> tuple[str,
 def format_path(keys: list[str | int]) -> str:
     out = ""
     for key in keys:
-        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else key)
+        if isinstance(key, int) or key == "[value]":
+            out += f"[{key}]" if isinstance(key, int) else key
+        else:
+            out += f".{key}" if out else key
     return out
 
 
@@ -129,7 +132,7 @@ def _number(text: str) -> int | float:
 
 
 def _parse_path(path: str) -> list[str | int]:
-    return [int(index) if index else name for name, index in _PATH_PART.findall(path)]
+    return [name or (int(index) if index.isdigit() else "[value]") for name, index in _PATH_PART.findall(path)]
 
 
 def _lookup(data: Any, keys: list[str | int]) -> Any:
