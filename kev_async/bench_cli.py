@@ -107,29 +107,16 @@ def _model(args: argparse.Namespace):
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    import os
-
-    import torch
-
-    from engine import load_model
     from engine.bench import bench_engine
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    model = load_model(args.model)
-    bench_engine(model, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
+    bench_engine(_model(args), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
                  repeats=args.repeats, sequential=not args.skip_sequential)
     return 0
 
 
 def _bench_lora(args: argparse.Namespace) -> int:
-    import os
-
-    import torch
-
-    from engine import load_model
     from engine.bench import bench_lora
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    bench_lora(load_model(args.model), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
+    bench_lora(_model(args), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
                repeats=args.repeats, num_adapters=args.adapters, rank=args.rank)
     return 0
