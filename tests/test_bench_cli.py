@@ -1,0 +1,29 @@
+"""The benchmarks stay runnable: each `kev bench` prints its table and ratios (tiny model, tiny sizes).
+
+Speed itself is never asserted here; the numbers live in the README, measured with the real model.
+"""
+
+import pytest
+
+from kev_async.cli import main
+
+pytest_plugins = ["serve_fixtures"]
+
+
+def test_bench_engine_prints_all_four_runs_and_the_identity_check(tiny_model_dir, capsys):
+    assert main(["bench", "engine", "--model", str(tiny_model_dir), "--questions", "3",
+                 "--max-new-tokens", "4", "--repeats", "1", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    for row in ("(a) | transformers, one at a time", "(b) | transformers, padded batch",
+                "(c) | kev, early eviction", "(d) | kev, no early eviction"):
+        assert row in out
+    assert "(c)/(a) = " in out and "(c)/(b) = " in out
+    assert "(c) answers token-identical to (a): 3/3" in out  # greedy, fp32: Kev equals transformers
+
+
+def test_bench_scaling_draws_the_plot(tiny_model_dir, tmp_path, capsys):
+    plot = tmp_path / "throughput.png"
+    assert main(["bench", "scaling", "--model", str(tiny_model_dir), "--counts", "1,2",
+                 "--max-new-tokens", "3", "--threads", "2", "-o", str(plot)]) == 0
+    assert "2 questions: kev" in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
