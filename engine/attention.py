@@ -160,7 +160,11 @@ class _DecodeGroup:
         longest = max(s.kv_len for s in segments)
         slots = torch.zeros(len(segments), longest, dtype=torch.long)
         for i, seg in enumerate(segments):
-            slots[i, : seg.kv_len] = context_slots(seg.block_ids, seg.kv_len, block_size)
+            own = context_slots(seg.block_ids, seg.kv_len, block_size)
+            # Padding reads the row's own first slot, never another question's: a masked key weighs
+            # 0, but 0 * inf is NaN, so a neighbour's overflowed value must not even be read.
+            slots[i] = own[0]
+            slots[i, : seg.kv_len] = own
         lengths = torch.tensor([s.kv_len for s in segments])
         self.rows = torch.tensor([s.q_start for s in segments], device=device)
         self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing

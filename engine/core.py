@@ -26,7 +26,7 @@ from engine.routing import Router
 from engine.runner import ModelRunner
 from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.sequence import Sequence, Status
-from schemas import AnswerEvent, Audit, QuestionEvent, Timings, Usage, error_answer
+from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
 
 log = structlog.get_logger("kev.engine")
 
@@ -93,7 +93,10 @@ class EngineCore:
             raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
         arrival = time.monotonic() if arrival is None else arrival
         if prompt_ids is None:
-            prompt_ids = encode_prompt(self.model.tokenizer, question)
+            try:
+                prompt_ids = encode_prompt(self.model.tokenizer, question)
+            except Exception as exc:  # e.g. a chat template that raises on this message order
+                raise QuestionRejected("bad_prompt", f"the prompt could not be encoded: {exc}") from None
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
         lora = self._acquire_adapter(question.adapter)
@@ -108,13 +111,13 @@ class EngineCore:
             adapter=question.adapter,
             lora=lora,
         )
+        seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         try:
             self.scheduler.add(seq)
         except (PromptTooLong, Overloaded) as exc:
             self.loras.release(lora)
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
-        seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         self._questions[qid], self._sequences[qid] = question, seq
         self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
         return seq
@@ -172,8 +175,15 @@ class EngineCore:
         self.num_generated += len(new_tokens)
         for seq, token in new_tokens:
             stream = self._streams[seq.question_id]
-            deltas.append(TokenDelta(seq.question_id, token, stream.push(token)))
-            if stream.stopped:  # a stop string ended it: free its blocks this very step
+            try:
+                deltas.append(TokenDelta(seq.question_id, token, stream.push(token)))
+            except Exception as exc:  # this question's failure is its own: the batch goes on
+                seq.error = f"detokenizing failed: {exc}"
+                self.scheduler.finish(seq, Status.ERROR)
+                continue
+            if stream.stopped and seq.status == Status.LENGTH:  # ended by both on one token: the stop string counts
+                seq.status = Status.STOPPED
+            elif stream.stopped:  # a stop string ended it: free its blocks this very step
                 self.scheduler.finish(seq, Status.STOPPED)
         return deltas
 
@@ -186,6 +196,7 @@ class EngineCore:
         return AnswerEvent(
             question_id=qid,
             request_id=question.request_id,
+            error=ErrorInfo("internal_error", seq.error or "") if seq.status == Status.ERROR else None,
             text=stream.text,
             token_ids=tuple(seq.output_ids),
             finish_reason=seq.status.finish_reason,

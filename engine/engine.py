@@ -7,6 +7,7 @@ event loop in one call.
 
 from __future__ import annotations
 
+import itertools
 import queue
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class Engine:
         self.options = self.core.options
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, Handle] = {}
+        self._numbers = itertools.count()  # ids for questions given as plain strings or dicts
         # overflow_policy=wait: a submitter waits here for a free place instead of being refused.
         places = self.options.max_batch_size + self.options.max_waiting
         self._places = anyio.Semaphore(places if self.options.overflow_policy == "wait" else 1 << 30)
@@ -91,10 +93,13 @@ class Engine:
     # -- the public face ---------------------------------------------------------------------------
     async def submit(self, question, *, arrival: float | None = None, **params) -> Handle:
         """Queue a question; `arrival` (time.monotonic()) is when it really arrived, for its timings."""
-        question = as_question(question, len(self._handles), **params)
+        question = as_question(question, next(self._numbers), **params)
         if self.closed:
             raise RuntimeError("the engine is closed")
         await self._places.acquire()
+        if self.closed:  # closed while this submitter waited for a place
+            self._places.release()
+            raise RuntimeError("the engine is closed")
         handle = Handle(question)
         if question.question_id in self._handles:
             self._finish(handle, rejected_answer(question, QuestionRejected(
@@ -198,9 +203,15 @@ class Engine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command is not _STOP and command[0] == "call":
+            if command is _STOP:
+                continue
+            if command[0] == "call":
                 command[1].error = RuntimeError("the engine closed before this call ran")
                 anyio.from_thread.run_sync(command[1].done.set)
+            elif command[0] == "add":  # its submitter is waiting for an answer: give it one
+                question = command[1][0]
+                closed = QuestionRejected("engine_closed", "the engine closed before this question started")
+                self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, closed)]))
 
     def _apply(self, verb: str, arg) -> None:
         if verb == "cancel":

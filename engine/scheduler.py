@@ -102,7 +102,7 @@ class Scheduler:
             raise PromptTooLong(f"prompt has {seq.num_tokens} tokens; this engine allows at most {limit - 1}")
         if self.limits.overflow == "reject" and len(self.running) + len(self.waiting) >= self.limits.max_running:
             raise Overloaded(f"all {self.limits.max_running} channels are busy (overflow_policy=reject)")
-        if not self.has_room():
+        if self.limits.overflow != "wait" and not self.has_room():  # under "wait" the submitter is the bound
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} questions)")
         seq.status = Status.WAITING
         self.waiting.append(seq)
