@@ -194,8 +194,13 @@ class _SchedulerActor:
             self.places.release()
 
     async def answer_abandoned(self) -> None:
-        """Best effort, shielded: the outbox itself may be what failed."""
-        with anyio.move_on_after(1.0, shield=True):
+        """Best effort, shielded: the outbox itself may be what failed.
+
+        Bounded by 10 s: an abandoned question left without an answer holds its Kafka offset back
+        until the worker restarts and the question is delivered again, so it is worth waiting for a
+        slow outbox, but not forever.
+        """
+        with anyio.move_on_after(10.0, shield=True):
             for handle, source in list(self.in_flight.items()):
                 question = handle.question
                 failed = error_answer(question.question_id, question.request_id, "engine_failed",
@@ -204,7 +209,9 @@ class _SchedulerActor:
                     await self.outbox.send(self.wrap(failed, source))
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     break
-        log.error("engine_actor.abandoned", question_ids=sorted(h.question_id for h in self.in_flight))
+                del self.in_flight[handle]
+        if self.in_flight:
+            log.error("engine_actor.abandoned_unanswered", question_ids=sorted(h.question_id for h in self.in_flight))
 
 
 class EngineClient:
