@@ -32,6 +32,7 @@ class Handle:
     question: QuestionEvent
     deltas: list[AnswerDelta] = field(default_factory=list)
     answer: AnswerEvent | None = None
+    cancelling: bool = False  # a cancel is on its way; the answer (finish_reason "cancelled") follows
     _changed: anyio.Event = field(default_factory=anyio.Event)
 
     @property
@@ -100,6 +101,9 @@ class Engine:
         if self.closed:  # closed while this submitter waited for a place
             self._places.release()
             raise RuntimeError("the engine is closed")
+        previous = self._handles.get(question.question_id)
+        if previous is not None and previous.cancelling:  # a retry right after a cancel: let it land first
+            await self.wait(previous)
         handle = Handle(question)
         if question.question_id in self._handles:
             self._finish(handle, rejected_answer(question, QuestionRejected(
@@ -126,7 +130,10 @@ class Engine:
             await handle._changed.wait()
 
     def cancel(self, handle: Handle | str) -> None:
-        self._commands.put(("cancel", handle if isinstance(handle, str) else handle.question_id))
+        question_id = handle if isinstance(handle, str) else handle.question_id
+        if question_id in self._handles:
+            self._handles[question_id].cancelling = True
+        self._commands.put(("cancel", question_id))
 
     async def load_adapter(self, name: str, path) -> LoraAdapter:
         """Hot-load or replace a LoRA adapter between two steps; questions in flight keep their version."""

@@ -142,3 +142,14 @@ async def test_a_submit_racing_close_is_answered_or_refused_never_left_hanging(m
         with anyio.fail_after(5):
             answer = await engine.wait(handle)
         assert answer.finish_reason in ("cancelled", "error")
+
+
+@pytest.mark.anyio
+async def test_asking_again_right_after_a_cancel_is_not_a_duplicate(model):
+    async with Engine(model, tiny_options()) as engine:
+        first = await engine.submit(question("again", tokens=200))
+        engine.cancel(first)
+        second = await engine.submit(question("again", tokens=3))  # the same id, at once
+        cancelled, answered = await engine.wait(first, 30), await engine.wait(second, 30)
+    assert cancelled.finish_reason == "cancelled"
+    assert answered.error is None and len(answered.token_ids) == 3
