@@ -19,12 +19,8 @@ def as_question(item, index: int = 0, **params) -> QuestionEvent:
         raise TypeError(f"a question is a str, dict or QuestionEvent, not {type(item).__name__}")
     if not params:
         return question
-    merged = {**params, **{k: v for k, v in _fields(question.params).items() if v not in (None, ())}}
+    merged = {**params, **{k: v for k, v in msgspec.structs.asdict(question.params).items() if v not in (None, ())}}
     return msgspec.structs.replace(question, params=msgspec.convert(merged, Params))
-
-
-def _fields(struct) -> dict:
-    return {name: getattr(struct, name) for name in struct.__struct_fields__}
 
 
 def chat_messages(question: QuestionEvent) -> list[dict]:

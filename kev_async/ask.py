@@ -52,7 +52,7 @@ def _ask(args: argparse.Namespace) -> int:
     from schemas import QuestionEvent
 
     cfg = load_config(args.config)
-    _set_threads(cfg.core.threads)
+    set_threads(cfg.core.threads)
     model = load_model(args.model or cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision)
     options = EngineOptions.from_config(cfg, worker="kev-ask")
     pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
@@ -74,7 +74,8 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None) -> None:
+    """Torch's CPU threads for every command: as configured, else one per core (at most 16)."""
     import torch
 
     torch.set_num_threads(threads or min(os.cpu_count() or 1, 16))

@@ -96,13 +96,10 @@ def _bench_kafka(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace):
-    import os
-
-    import torch
-
     from engine import load_model
+    from kev_async.ask import set_threads
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    set_threads(args.threads)
     return load_model(args.model)
 
 

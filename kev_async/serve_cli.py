@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 
@@ -42,8 +41,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace, **kafka):
-    import torch
-
+    from kev_async.ask import set_threads
     from kev_async.logs import configure_logging
     from kev_async.settings import load_config
 
@@ -54,7 +52,7 @@ def _load(args: argparse.Namespace, **kafka):
     if kafka:
         cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, **kafka))
     configure_logging(cfg.logging.level, cfg.logging.json)
-    torch.set_num_threads(cfg.core.threads or os.cpu_count() or 1)
+    set_threads(cfg.core.threads)
     return cfg
 
 
