@@ -1,5 +1,18 @@
-"""Kev's wire events and config schema (msgspec only; imports nothing else from Kev)."""
+"""Kev's wire events (questions, answers, control; one module per family) and the config schema.
+msgspec Structs and their validation only; imports nothing else from Kev."""
 
+from schemas.answers import (
+    AnswerDelta,
+    AnswerEvent,
+    Audit,
+    ErrorInfo,
+    FinishReason,
+    Timings,
+    Usage,
+    decode_answer,
+    decode_delta,
+    error_answer,
+)
 from schemas.config import (
     AggregatorConfig,
     ConfigError,
@@ -17,32 +30,9 @@ from schemas.config import (
     SecurityConfig,
     config_from_dict,
 )
-from schemas.events import (
-    DEFAULTS_KEYS,
-    SCHEMA_VERSION,
-    SUPPORTED_SCHEMAS,
-    AnswerDelta,
-    AnswerEvent,
-    Audit,
-    ControlAction,
-    ControlEvent,
-    ErrorInfo,
-    FinishReason,
-    InvalidControl,
-    InvalidQuestion,
-    Message,
-    Params,
-    QuestionEvent,
-    Timings,
-    UndecodableEvent,
-    Usage,
-    decode_answer,
-    decode_control,
-    decode_delta,
-    decode_question,
-    encode,
-    error_answer,
-)
+from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, decode_control
+from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
+from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
 __all__ = [
     "DEFAULTS_KEYS",

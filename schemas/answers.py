@@ -1,0 +1,83 @@
+"""Answer events, the output side of the wire: the final answer with its usage, timings and audit
+trail, and the streaming deltas before it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import Struct
+
+from schemas.wire import SCHEMA_VERSION
+
+FinishReason = Literal["stop", "length", "timeout", "cancelled", "error"]
+
+
+class ErrorInfo(Struct, frozen=True):
+    code: str
+    message: str
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(Struct, frozen=True):
+    queued_ms: float = 0.0
+    ttft_ms: float | None = None
+    e2e_ms: float = 0.0
+
+
+class Audit(Struct, frozen=True):
+    """Where and how an answer was computed, for debugging isolation after the fact."""
+
+    worker: str = ""
+    channel: int | None = None
+    blocks: tuple[int, ...] = ()
+    steps: int = 0
+    batch_sizes: tuple[int, ...] = ()
+    routing_bucket: int | None = None
+    adapter: str | None = None
+    defaults_version: int = 0
+
+
+class AnswerEvent(Struct, frozen=True):
+    question_id: str
+    request_id: str | None = None
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason = "stop"
+    error: ErrorInfo | None = None
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    audit: Audit = Audit()
+    schema: int = SCHEMA_VERSION
+
+
+class AnswerDelta(Struct, frozen=True):
+    question_id: str
+    seq: int
+    text: str
+    done: bool = False
+
+
+_ANSWER_DECODER = msgspec.json.Decoder(AnswerEvent)
+_DELTA_DECODER = msgspec.json.Decoder(AnswerDelta)
+
+
+def decode_answer(raw: bytes | str) -> AnswerEvent:
+    return _ANSWER_DECODER.decode(raw)
+
+
+def decode_delta(raw: bytes | str) -> AnswerDelta:
+    return _DELTA_DECODER.decode(raw)
+
+
+def error_answer(question_id: str, request_id: str | None, code: str, message: str) -> AnswerEvent:
+    return AnswerEvent(
+        question_id=question_id,
+        request_id=request_id,
+        finish_reason="error",
+        error=ErrorInfo(code=code, message=message),
+    )

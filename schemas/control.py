@@ -1,0 +1,150 @@
+"""Control events: runtime commands on the control topic (adapters, engine-wide sampling defaults).
+
+`decode_control` is the gate for control commands; it raises `InvalidControl`, and the reader skips
+such records.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from schemas._validation import (
+    MaxNewTokens,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    explain,
+    show,
+)
+from schemas.wire import (
+    ANY_DECODER,
+    SCHEMA_VERSION,
+    SUPPORTED_SCHEMAS,
+    UndecodableEvent,
+    as_utf8_bytes,
+    json_kind,
+    unparseable,
+)
+
+ControlAction = Literal["load_adapter", "unload_adapter", "update_defaults"]
+AdapterName = Annotated[str, Meta(min_length=1, max_length=256)]
+AdapterPath = Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class ControlEvent(Struct, frozen=True, omit_defaults=True):
+    """A runtime command on the control topic, applied by every worker while it serves.
+
+    - load_adapter: `name` and `path` (a PEFT LoRA directory as the worker sees it); loading a name
+      again replaces it (a new version; questions in flight keep theirs)
+    - unload_adapter: `name`; new questions naming it get `unknown_adapter`
+    - update_defaults: `defaults`, e.g. {"temperature": 0.7}: new engine-wide sampling defaults for
+      questions admitted from now on (keys: see DEFAULTS_KEYS)
+    """
+
+    action: ControlAction
+    name: AdapterName | None = None
+    path: AdapterPath | None = None
+    defaults: dict[str, float | int] | None = None
+    schema: int = SCHEMA_VERSION
+
+
+class _DefaultsChanges(Struct, forbid_unknown_fields=True):
+    """The keys `update_defaults` may change, with the limits per-question Params have."""
+
+    max_new_tokens: MaxNewTokens | UnsetType = UNSET  # UNSET, not None: a null is not a default to set
+    temperature: Temperature | UnsetType = UNSET
+    top_p: TopP | UnsetType = UNSET
+    top_k: TopK | UnsetType = UNSET
+    repetition_penalty: RepetitionPenalty | UnsetType = UNSET
+    seed: Seed | UnsetType = UNSET
+
+
+DEFAULTS_KEYS = tuple(_DefaultsChanges.__struct_fields__)
+# Which of name / path / defaults each action needs; the others must be left out.
+_CONTROL_FIELDS = {"load_adapter": ("name", "path"), "unload_adapter": ("name",), "update_defaults": ("defaults",)}
+
+
+class InvalidControl(Exception):
+    """A control record that cannot be applied; the reader logs it and skips it."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason  # not_utf8 | not_json | not_object | invalid_field | unsupported_schema | too_large
+        self.message = message
+
+
+_CONTROL_DECODER = msgspec.json.Decoder(ControlEvent)
+
+
+def decode_control(raw: bytes | str, *, max_bytes: int = 65_536) -> ControlEvent:
+    """Decode and validate one control command; raise InvalidControl saying what is wrong.
+
+    The defaults of update_defaults come back checked and normalised (temperature 1 -> 1.0).
+    """
+    try:
+        data = as_utf8_bytes(raw)
+    except UndecodableEvent as bad:
+        raise InvalidControl(bad.reason, bad.message) from None
+    if len(data) > max_bytes:
+        raise InvalidControl("too_large", f"event is {len(data)} bytes, at most {max_bytes} allowed")
+    try:
+        event = _CONTROL_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise _classify_control_failure(data, error) from None
+    _check_control_schema(event.schema)
+    return _check_control_fields(event)
+
+
+def _classify_control_failure(data: bytes, error: Exception) -> InvalidControl:
+    try:
+        tree = ANY_DECODER.decode(data)
+    except msgspec.DecodeError as parse_error:
+        bad = unparseable(data, parse_error)
+        return InvalidControl(bad.reason, bad.message)
+    if not isinstance(tree, dict):
+        return InvalidControl("not_object", f"expected a JSON object, got {json_kind(tree)}")
+    _check_control_schema(tree.get("schema", SCHEMA_VERSION))
+    if isinstance(tree.get("defaults"), dict):
+        _check_defaults(tree["defaults"])  # names the key at fault, which the dict's own error cannot
+    path, reason = explain(error, tree, ControlEvent)
+    return InvalidControl("invalid_field", f"{path}: {reason}")
+
+
+def _check_control_schema(schema: Any) -> None:
+    if isinstance(schema, bool) or schema not in SUPPORTED_SCHEMAS:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_SCHEMAS))
+        raise InvalidControl("unsupported_schema",
+                             f"schema: version {show(schema)} is not supported (supported: {supported})")
+
+
+def _check_control_fields(event: ControlEvent) -> ControlEvent:
+    """Each action's fields present, the others absent; defaults checked against their limits."""
+    needed = _CONTROL_FIELDS[event.action]
+    for field_name in ("name", "path", "defaults"):
+        given = getattr(event, field_name) is not None
+        if field_name in needed and not given:
+            raise InvalidControl("invalid_field", f"{field_name}: missing; {event.action} needs "
+                                                  f"{' and '.join(needed)}")
+        if field_name not in needed and given:
+            raise InvalidControl("invalid_field", f"{field_name}: not used by {event.action} "
+                                                  f"(it takes {' and '.join(needed)})")
+    if event.defaults is None:
+        return event
+    return msgspec.structs.replace(event, defaults=_check_defaults(event.defaults))
+
+
+def _check_defaults(defaults: dict) -> dict[str, float | int]:
+    """The changes checked against the limits per-question Params have, floats as floats."""
+    if not defaults:
+        raise InvalidControl("invalid_field", f"defaults: empty; give at least one of {', '.join(DEFAULTS_KEYS)}")
+    try:
+        checked = msgspec.convert(defaults, _DefaultsChanges)
+    except msgspec.ValidationError as error:
+        path, reason = explain(error, defaults, _DefaultsChanges)
+        raise InvalidControl("invalid_field", f"defaults.{path}: {reason}") from None
+    return {key: getattr(checked, key) for key in DEFAULTS_KEYS if key in defaults}
