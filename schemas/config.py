@@ -123,6 +123,20 @@ class LoggingConfig(_Section):
     json: bool | None = None  # None = JSON when stderr is not a terminal
 
 
+class GatewayConfig(_Section):
+    """`kev gateway`: the OpenAI-compatible HTTP front door; it publishes questions and waits for answers."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000  # 0 = any free port
+    served_model_name: str | None = None  # the model id clients name; None = the last part of core.model_path
+    api_keys: dict[str, str] = {}  # API key -> tenant; empty (and no file) = no authentication
+    api_keys_file: str | None = None  # a YAML mapping of API key -> tenant, read at start
+    request_timeout_ms: Positive | None = None  # deadline of a request's question; None = aggregator.timeout_ms
+    publish_timeout_ms: Positive = 3000  # the broker must ack a question within this, else 503
+    max_body_bytes: Positive = 1_000_000
+    max_prompt_chars: Positive = 200_000
+
+
 class KevConfig(_Section):
     deploy: DeployConfig = DeployConfig()
     router: RouterConfig = RouterConfig()
@@ -135,6 +149,7 @@ class KevConfig(_Section):
     kafka: KafkaConfig = KafkaConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
+    gateway: GatewayConfig = GatewayConfig()
 
 
 class ConfigError(Exception):
