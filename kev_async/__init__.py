@@ -1,1 +1,2 @@
-"""Kev's runtime: actors on anyio, app wiring, config loading, logging and the `kev` CLI."""
+"""Kev's service: the `kev` CLI (cli/) on top, the app wiring, engine actor, settings and logs here,
+an actor runtime on anyio (runtime/), observability (observe/) and benchmarks (bench/) below it."""

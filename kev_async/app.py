@@ -22,11 +22,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_reader
 from engine import Engine, EngineOptions, load_model
-from kev_async.actors import Mailbox, ask
 from kev_async.engine_actor import LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
-from kev_async.lifecycle import Shutdown
-from kev_async.metrics import Metrics
-from kev_async.supervisor import Child, RestartPolicy, Supervisor
+from kev_async.observe.metrics import Metrics
+from kev_async.runtime.actors import Mailbox, ask
+from kev_async.runtime.lifecycle import Shutdown
+from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
 from schemas import ControlEvent, KafkaConfig, KevConfig
 
 log = structlog.get_logger("kev.app")

@@ -13,9 +13,9 @@ from functools import partial
 import anyio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from engine.bench_questions import QUESTIONS
 from kev_async.app import serve
-from kev_async.lifecycle import Shutdown
+from kev_async.bench.questions import QUESTIONS
+from kev_async.runtime.lifecycle import Shutdown
 from schemas import KevConfig, Params, QuestionEvent, decode_answer, encode
 
 BAD_EVENTS = [

@@ -29,7 +29,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine import Engine, Handle
-from kev_async.actors import Mailbox, NoReply, Reply, Request, ask
+from kev_async.runtime.actors import Mailbox, NoReply, Reply, Request, ask
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent, error_answer
 
 log = structlog.get_logger("kev.engine_actor")

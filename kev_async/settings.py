@@ -147,3 +147,10 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     problem = getattr(error, "problem", None) or str(error)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     return f"not valid YAML{where}: {problem}"
+
+
+def set_threads(threads: int | None) -> None:
+    """Torch's CPU threads for every command: as configured, else one per core (at most 16)."""
+    import torch
+
+    torch.set_num_threads(threads or min(os.cpu_count() or 1, 16))

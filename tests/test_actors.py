@@ -5,7 +5,7 @@ import math
 import anyio
 import pytest
 
-from kev_async.actors import Mailbox, Request, ask
+from kev_async.runtime.actors import Mailbox, Request, ask
 
 pytestmark = pytest.mark.anyio
 

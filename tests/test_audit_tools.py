@@ -169,7 +169,7 @@ def test_render_draws_one_block_per_question(run_log, tmp_path, capsys):
     assert "forward 3, 4 questions" in capsys.readouterr().out
     assert imread(png).shape[:2] == (800, 800)
 
-    from kev_async.mask_picture import render_forward
+    from kev_async.observe.mask_picture import render_forward
 
     drawn = render_forward(records(run_log)[2], tmp_path / "again.png", size_in=4, dpi=50)
     assert (drawn.segments, drawn.width, drawn.height) == (4, 200, 200)
@@ -181,7 +181,7 @@ def test_render_draws_one_block_per_question(run_log, tmp_path, capsys):
 
 
 def test_render_hatches_a_shared_prefix(tmp_path):
-    from kev_async.mask_picture import render_forward
+    from kev_async.observe.mask_picture import render_forward
 
     record = {"forward": 1, "tokens": 5, "block_size": 4, "segments": [
         {"question_id": "a", "rows": [0, 3], "positions": [4, 7], "kv_len": 7, "blocks": [0, 1], "shared_prefix_len": 4},
@@ -191,7 +191,7 @@ def test_render_hatches_a_shared_prefix(tmp_path):
 
 
 def test_each_row_sees_exactly_its_keys_up_to_its_position():
-    from kev_async.mask_picture import _Block, _visible
+    from kev_async.observe.mask_picture import _Block, _visible
 
     block = _Block("q", row=5, q_len=3, col=10, cached=2, kv_len=5, shared=0)
     # row 5 (position 2) sees keys 0..2 = columns 10..12, so its right edge is x = 13; the last row sees 0..4

@@ -145,11 +145,11 @@ def test_decode_control_says_what_is_wrong(raw, reason, message):
 @pytest.mark.anyio
 async def test_engine_actor_loads_and_unloads_adapters_and_survives_bad_ones(tiny_model, tmp_path, logs):
     from engine import Engine, EngineOptions
-    from engine.bench import write_random_adapter
     from engine.defaults import Defaults
     from engine.lora import AdapterError
-    from kev_async.actors import Mailbox, ask
+    from kev_async.bench.lora import write_random_adapter
     from kev_async.engine_actor import EngineClient, LoadAdapter, UnloadAdapter, engine_actor
+    from kev_async.runtime.actors import Mailbox, ask
 
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
     options = EngineOptions(max_batch_size=4, num_blocks=64, max_context=128, batch_window_ms=0,
@@ -254,9 +254,9 @@ def ask_bytes(question_id: str, adapter: str | None = None) -> bytes:
 async def test_serve_applies_control_commands_without_a_restart(kafka_broker, tiny_model, tmp_path, monkeypatch,
                                                                  logs):
     from consumers import create_topics, topic_plan
-    from engine.bench import write_random_adapter
     from kev_async.app import serve
-    from kev_async.lifecycle import Shutdown
+    from kev_async.bench.lora import write_random_adapter
+    from kev_async.runtime.lifecycle import Shutdown
 
     monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "3000")
     kafka = kafka_config(kafka_broker, partitions=1)

@@ -13,9 +13,9 @@ from engine.loader import resolve_model_dir
 from engine.model import Model, rope_tables, spec_from_config
 from engine.prompt import encode_prompt
 from engine.transformer import Transformer
-from kev_async.actors import Mailbox
-from kev_async.supervisor import Child, RestartPolicy, Supervisor
 from kev_async.engine_actor import Cancel, DeviceBusy, Submit, engine_actor, open_engine_client
+from kev_async.runtime.actors import Mailbox
+from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
 from schemas import AnswerDelta, AnswerEvent, Params, QuestionEvent
 
 pytestmark = pytest.mark.anyio

@@ -9,8 +9,8 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from kev_async.actors import Mailbox
-from kev_async.lifecycle import run_service
+from kev_async.runtime.actors import Mailbox
+from kev_async.runtime.lifecycle import run_service
 
 pytestmark = pytest.mark.anyio
 

@@ -25,10 +25,10 @@ from structlog.testing import capture_logs
 
 from consumers import Inbound, Outbound
 from engine import Engine, EngineOptions
-from kev_async.actors import Mailbox
 from kev_async.cli import main as kev
 from kev_async.engine_actor import engine_actor
-from kev_async.metrics import Metrics
+from kev_async.observe.metrics import Metrics
+from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, ErrorInfo, KevConfig, Params, QuestionEvent, Timings, Usage
 
 pytest.register_assert_rewrite("kafka_fixtures")
@@ -262,7 +262,7 @@ def test_the_dashboard_queries_only_metrics_kev_exports():
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # aiokafka is asyncio-only
 async def test_serve_exports_engine_and_kafka_metrics(kafka_broker, model, monkeypatch, capsys):
     from kev_async.app import serve
-    from kev_async.lifecycle import Shutdown
+    from kev_async.runtime.lifecycle import Shutdown
 
     monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "3000")  # Tansu's first assignment: ~1.5 s
     kafka, port = kafka_config(kafka_broker, partitions=2), free_port()

@@ -114,7 +114,7 @@ async def wait_log(process: KevProcess, event: str, timeout: float) -> None:
 @pytest.mark.kafka
 async def test_serve_answers_each_question_once_and_commits_after_drain(kafka_broker, tiny_model, monkeypatch):
     from kev_async.app import serve
-    from kev_async.lifecycle import Shutdown
+    from kev_async.runtime.lifecycle import Shutdown
 
     for name, value in FAST_SESSION.items():
         monkeypatch.setenv(name, value)

@@ -4,8 +4,8 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from kev_async.actors import Mailbox
-from kev_async.supervisor import Child, Escalated, RestartPolicy, Supervisor
+from kev_async.runtime.actors import Mailbox
+from kev_async.runtime.supervisor import Child, Escalated, RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.anyio
 

@@ -27,7 +27,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kev_async.actors import Mailbox
+from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
 
 log = structlog.get_logger("kev.metrics")

@@ -173,7 +173,7 @@ def _ticks(ax, blocks: list[_Block], rows: int, keys: int) -> None:
         ax.axvline(b.col, color="#808080", linewidth=0.6, linestyle=":", zorder=0.6)
 
 
-# -- docs/mask.png: `python -m kev_async.mask_picture [docs/mask.png]` --------------------------------
+# -- docs/mask.png: `python -m kev_async.observe.mask_picture [docs/mask.png]` ----------------------
 
 DEMO_QUESTIONS = ["Hi", "What is 2+2?", "Write a haiku about autumn leaves falling slowly.", "Name three primes."]
 
@@ -217,16 +217,22 @@ def _demo(argv: list[str] | None = None) -> int:
     import sys
     import tempfile
 
-    from kev_async.cli import main
+    from kev_async.observe.audit import check_log, format_report, read_audit_log
 
     output = (argv if argv is not None else sys.argv[1:] or ["docs/mask.png"])[0]
     with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "audit.log"
-        record_demo_log(log)
-        if main(["audit", "check", str(log)]):
+        path = Path(tmp) / "audit.log"
+        record_demo_log(path)
+        log = read_audit_log(path)
+        report = check_log(log)
+        print(format_report(str(path), log, report))
+        if not report.clean:
             return 1
-        return main(["audit", "render", str(log), "--forward", "5", "-o", output])
-
+        record = log.find(5)[0]
+        drawn = render_forward(record.data, output)
+        print(f"wrote {output}: {record.label}, {drawn.segments} questions, {drawn.rows} rows x "
+              f"{drawn.keys} keys, {drawn.width}x{drawn.height} px")
+        return 0
 
 if __name__ == "__main__":
     raise SystemExit(_demo())

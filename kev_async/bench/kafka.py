@@ -1,35 +1,40 @@
-"""`kev bench scaling` and `kev bench kafka`: throughput against batch size (with a plot), and the cost of
-the Kafka path over the bare engine."""
+"""`kev bench kafka`: the same questions through the bare engine and through Kafka (`kev serve` in
+process, embedded broker): the cost of the Kafka path."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from functools import partial
 
 import anyio
 
-from engine.bench_questions import QUESTIONS
+from kev_async.bench.model import bench_model
+from kev_async.bench.questions import QUESTIONS
 
 
-def plot_scaling(result: dict, path: str) -> None:
-    import matplotlib
+def register(kinds: argparse._SubParsersAction) -> None:
+    kafka = kinds.add_parser(
+        "kafka", help="the same questions through the bare engine and through Kafka",
+        description="Answer N questions with the engine alone, then publish them to an embedded broker and "
+                    "read the answers back through `kev serve` (in process); prints both rates and the ratio.")
+    kafka.add_argument("--model", default="smollm2-135m-instruct")
+    kafka.add_argument("--questions", type=int, default=64)
+    kafka.add_argument("--max-new-tokens", type=int, default=32)
+    kafka.add_argument("--threads", type=int, default=None)
+    kafka.set_defaults(func=_cli)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    for name, rates in result["rates"].items():
-        ax.plot(result["counts"], rates, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(result["counts"], [str(c) for c in result["counts"]])
-    ax.set_xlabel("questions answered together")
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"{result['model']}, fp32, CPU, greedy, <= {result['max_new_tokens']} new tokens")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+def _cli(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from schemas import KevConfig, MetricsConfig
+
+    model = bench_model(args)
+    cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
+    anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens),
+              backend="asyncio")
+    return 0
 
 
 async def bench_kafka(cfg, model, *, num_questions: int, max_new_tokens: int, out=print) -> dict:
@@ -38,7 +43,7 @@ async def bench_kafka(cfg, model, *, num_questions: int, max_new_tokens: int, ou
     from engine.prompt import as_question
     from kev_async.app import serve
     from kev_async.demo import _publish, _read_answers
-    from kev_async.lifecycle import Shutdown
+    from kev_async.runtime.lifecycle import Shutdown
     from schemas import Params, QuestionEvent
 
     texts = (QUESTIONS * 32)[:num_questions]

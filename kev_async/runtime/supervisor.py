@@ -1,7 +1,7 @@
 """Supervision, one-for-one: a crashed child restarts alone; too many crashes escalate to the parent.
 
-    supervisor = Supervisor("app", [Child("publisher", publisher, (answers,)),
-                                    Child("engine", engine_actor, (questions, answers_out))])
+    supervisor = Supervisor("app", [Child("publisher", publisher, (results,)),
+                                    Child("worker", worker, (jobs, results_out))])
     await tg.start(supervisor.run)   # returns once every child called task_status.started()
 
 Children start in the order given, each ready before the next starts; `stop()` stops them in the

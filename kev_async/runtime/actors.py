@@ -61,7 +61,7 @@ class Mailbox(Generic[T]):
 
 
 def _bounded(name: str, capacity: Any) -> int:
-    # An unbounded mailbox hides overload until memory runs out; Kev wants the sender to wait instead.
+    # An unbounded mailbox hides overload until memory runs out; the sender should wait instead.
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity == math.inf or capacity < 0:
         raise ValueError(f"mailbox {name!r} needs a whole-number capacity >= 0, not {capacity!r}")
     return capacity

@@ -1,14 +1,12 @@
-"""`kev ask` and `kev model prepare`: the engine from the command line, no Kafka involved."""
+"""`kev ask`: the engine from the command line, no Kafka involved."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 
-def add_ask(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     ask = subparsers.add_parser(
         "ask", help="answer questions on the local model, packed into one batch",
         description="Answer each QUESTION with the model, all packed into shared forward passes; "
@@ -24,31 +22,9 @@ def add_ask(subparsers: argparse._SubParsersAction) -> None:
     ask.set_defaults(func=_ask)
 
 
-def add_model(subparsers: argparse._SubParsersAction) -> None:
-    model = subparsers.add_parser("model", help="prepare models", description="Prepare models for serving.")
-    actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    prepare = actions.add_parser(
-        "prepare", help="convert a GGUF (or the built-in model) once into the cache",
-        description="Resolve MODEL and convert it to safetensors under KEV_CACHE_DIR if it is a GGUF; "
-                    "later loads take about a second.")
-    prepare.add_argument("model", nargs="?", default="smollm2-135m-instruct")
-    prepare.set_defaults(func=_prepare)
-
-
-def _prepare(args: argparse.Namespace) -> int:
-    from engine.loader import ModelNotFound, resolve_model_dir
-
-    try:
-        print(resolve_model_dir(args.model))
-    except ModelNotFound as exc:
-        print(f"kev model prepare: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def _ask(args: argparse.Namespace) -> int:
     from engine import EngineOptions, IsolatedBatchPipeline, load_model
-    from kev_async.settings import load_config
+    from kev_async.settings import load_config, set_threads
     from schemas import QuestionEvent
 
     cfg = load_config(args.config)
@@ -72,10 +48,3 @@ def _ask(args: argparse.Namespace) -> int:
     generated = sum(a.usage.completion_tokens for a in answers)
     print(f"{len(answers)} answers, {generated} tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s)")
     return 0
-
-
-def set_threads(threads: int | None) -> None:
-    """Torch's CPU threads for every command: as configured, else one per core (at most 16)."""
-    import torch
-
-    torch.set_num_threads(threads or min(os.cpu_count() or 1, 16))

@@ -1,0 +1,39 @@
+"""The `kev` command line: `main(argv)` builds the parser from COMMANDS and dispatches.
+
+A command is a module `kev_async/cli/<name>.py` defining `register(subparsers)`, which adds its
+parser(s) and sets `func=` (called with the parsed args; returns the exit code). Enable it by adding
+"<name>" to COMMANDS; the order there is the order of `kev --help`. Nothing outside kev_async/cli
+imports the CLI; each command module keeps its top-level imports light (no torch), since `kev --help`
+imports every one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from importlib import import_module
+
+DESCRIPTION = """\
+Kev answers many independent questions with one language model, one packed forward pass per step.
+Questions and answers are Kafka events; no answer depends on the questions that shared its pass."""
+
+COMMANDS: tuple[str, ...] = ("serve", "demo", "ask", "bench", "audit", "model", "top", "config", "version")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kev", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        import_module(f"kev_async.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits on --help and usage errors; return instead
+        return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
+    return args.func(args)

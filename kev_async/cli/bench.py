@@ -1,0 +1,23 @@
+"""`kev bench ...`: speed measured side by side in one run, printed as a table and ratios.
+
+Each benchmark is a module `kev_async/bench/<name>.py` defining `register(kinds)`, which adds its
+`kev bench <name>` parser to `kinds` (the bench subparsers) and sets `func=`. Enable a new one by
+adding "<name>" to BENCHES; the order there is the order of `kev bench --help`. A benchmark module
+imports torch and the engine inside its functions, never at its top: `kev --help` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib import import_module
+
+BENCHES: tuple[str, ...] = ("engine", "lora", "scaling", "kafka")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks that print side-by-side ratios",
+                                  description="Benchmarks. Each runs its contenders in one process, on the "
+                                              "same inputs, and prints tokens/s and ratios.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name in BENCHES:
+        import_module(f"kev_async.bench.{name}").register(kinds)

@@ -1,0 +1,37 @@
+"""`kev demo`: the whole path on embedded defaults (broker, worker, questions, answers); kev_async/demo.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import anyio
+import msgspec
+
+from kev_async.cli._shared import add_config_and_model, load_service_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo", help="the whole path on embedded defaults: broker, worker, questions, answers",
+        description="Start the embedded broker and a worker, publish mixed questions plus two bad events, "
+                    "print every answer as it arrives on the answers topic, then stop gracefully.")
+    add_config_and_model(demo)
+    demo.add_argument("--questions", type=int, default=32, help="how many questions to publish (default 32)")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kev_async.demo import run_demo
+    from kev_async.runtime.lifecycle import run_service
+
+    cfg = load_service_config(args)
+    if cfg.kafka.bootstrap_servers != "embedded":
+        print("kev demo: runs on the embedded broker only (kafka.bootstrap_servers: embedded)", file=sys.stderr)
+        return 2
+    # The demo is one short-lived process: no metrics endpoint, so it never clashes with a running worker.
+    cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0))
+    demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens)
+    return anyio.run(partial(run_service, demo), backend="asyncio")

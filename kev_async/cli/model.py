@@ -1,0 +1,28 @@
+"""`kev model prepare`: resolve a model and convert a GGUF once into the cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    model = subparsers.add_parser("model", help="prepare models", description="Prepare models for serving.")
+    actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    prepare = actions.add_parser(
+        "prepare", help="convert a GGUF (or the built-in model) once into the cache",
+        description="Resolve MODEL and convert it to safetensors under KEV_CACHE_DIR if it is a GGUF; "
+                    "later loads take about a second.")
+    prepare.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    prepare.set_defaults(func=_prepare)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from engine.loader import ModelNotFound, resolve_model_dir
+
+    try:
+        print(resolve_model_dir(args.model))
+    except ModelNotFound as exc:
+        print(f"kev model prepare: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,33 @@
+"""`kev serve`: the Kafka service (kev_async/app.py), stopped gracefully on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import anyio
+
+from kev_async.cli._shared import add_config_and_model, load_service_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="answer questions from Kafka (the service)",
+        description="Consume questions from kafka.questions_topic in consumer group kafka.group_id, answer "
+                    "them in packed forwards, publish answers to kafka.answers_topic and commit offsets after "
+                    "the broker acks each outcome. bootstrap_servers 'embedded' (the default) starts the "
+                    "bundled Tansu broker on a free loopback port. SIGINT/SIGTERM: stop intake, drain, commit, "
+                    "exit 0; a second signal exits at once. Runs on anyio's asyncio backend (aiokafka).")
+    add_config_and_model(serve)
+    serve.add_argument("--bootstrap-servers", default=None, help="HOST:PORT[,HOST:PORT] or 'embedded'")
+    serve.add_argument("--drain-deadline", type=float, default=30.0, help="seconds to finish in-flight work on stop")
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kev_async.app import serve
+    from kev_async.runtime.lifecycle import run_service
+
+    cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
+    return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=args.drain_deadline),
+                     backend="asyncio")
