@@ -2,7 +2,7 @@
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, TokenDelta
 from engine.engine import Engine, Handle
-from engine.lora import AdapterError, LoraAdapter
+from engine.adapters import AdapterError, LoraAdapter
 from engine.model import Model, load_model
 from engine.options import EngineOptions
 from engine.pipeline import Answer, IsolatedBatchPipeline

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.fixed_attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
 from engine.kv_cache import KVCache
-from engine.layers import ROW_TILE
-
-KEY_TILE = 64  # deterministic mode: keys are taken in tiles of this many
 
 
 @dataclass(frozen=True)
@@ -27,6 +25,7 @@ class Segment:
     q_len: int  # rows (new tokens) this step
     kv_len: int  # keys visible to the last row: cached tokens + this step's
     block_ids: tuple[int, ...]  # the question's KV blocks, in order
+    generated: bool = False  # a generated token (not the prompt): deterministic mode attends it as a decode
 
     @property
     def cached(self) -> int:
@@ -51,9 +50,9 @@ class TorchAttention:
     """SDPA per question for prompt chunks; all single-token decodes in one padded, masked call.
 
     The decode mask hides each row's padding keys: masked keys add exact zeros, so a question's
-    decode does not depend on its neighbours' lengths. `deterministic=True` gives every question its
-    own call, always reading its keys from the cache under a causal mask: then a row's bits depend on
-    neither its neighbours nor how its prompt was split into chunks (or recomputed after preemption).
+    decode does not depend on its neighbours' lengths. `deterministic=True` swaps in fixed-tile
+    kernels (engine/fixed_attention.py) that always read keys from the cache: then a row's bits
+    depend on neither its neighbours nor how its prompt was split into chunks (or recomputed).
     """
 
     name = "torch-sdpa"
@@ -61,6 +60,8 @@ class TorchAttention:
     def __init__(self, kv: KVCache, deterministic: bool = False):
         self.kv = kv
         self.deterministic = deterministic
+        if deterministic:
+            check_fixed_attention(kv.k.shape[-1], kv.k.dtype, kv.group)
 
     def prepare(self, segments: list[Segment]) -> "TorchStep":
         return TorchStep(self, segments)
@@ -72,12 +73,19 @@ class TorchStep:
         self.kv = kv
         self.deterministic = backend.deterministic
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
-        decodes = [] if self.deterministic else [s for s in segments if s.q_len == 1]
-        self.decode = _DecodeGroup(decodes, kv.block_size, device) if decodes else None
-        # Prompt chunks (and, in deterministic mode, everything) attend per question; a chunk with no
-        # cached prefix can use its fresh keys, except in deterministic mode, which always reads the cache.
-        self.prompts = [(seg, self._context(seg, device)) for seg in segments
-                        if self.decode is None or seg.q_len > 1]
+        # Single-token decodes attend together: chosen by role in deterministic mode (a generated
+        # token always takes the decode path there), else by size.
+        decodes = [s for s in segments if (s.generated if self.deterministic else s.q_len == 1)]
+        self.decode = self._decode_group(decodes, device) if decodes else None
+        # Prompt chunks attend per question; a chunk with no cached prefix can use its fresh keys,
+        # except in deterministic mode, which always reads the cache.
+        self.prompts = [(seg, self._context(seg, device)) for seg in segments if seg not in decodes]
+
+    def _decode_group(self, decodes: list[Segment], device):
+        if not self.deterministic:
+            return _DecodeGroup(decodes, self.kv.block_size, device)
+        assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"
+        return FixedDecodes(decodes, self.kv.block_size, device)
 
     def _context(self, seg: Segment, device) -> torch.Tensor | None:
         if not (seg.cached or self.deterministic):
@@ -93,10 +101,12 @@ class TorchStep:
         out = q.new_empty(q.shape)
         if self.decode is not None:
             out[self.decode.rows] = self.decode.attend(q[self.decode.rows], k_cache, v_cache)
-        attend = _attend_fixed_tiles if self.deterministic else _attend_segment
         for seg, ctx in self.prompts:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = attend(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
+            if self.deterministic:
+                out[rows] = attend_prompt_tiles(q[rows], k_cache, v_cache, ctx, seg.cached)
+            else:
+                out[rows] = _attend_segment(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
         return out
 
 
@@ -112,45 +122,6 @@ def _attend_segment(q, k, v, k_cache, v_cache, ctx: torch.Tensor | None, seg: Se
         torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=True)
     return out.transpose(0, 1)
-
-
-def _attend_fixed_tiles(q, k, v, k_cache, v_cache, ctx: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """Attention whose rows keep their bits however the prompt was chunked (deterministic mode).
-
-    Every matmul has a fixed shape: queries in tiles of ROW_TILE rows, keys in tiles of KEY_TILE read
-    from the cache at fixed offsets, combined with an online softmax (as flash attention does). A key
-    tile past a row's position is fully masked and leaves that row's running sums exactly as they
-    were, so a row computed in a 7-token chunk, in a 37-token prefill or as a single decode comes out
-    bit for bit the same.
-    """
-    rows, heads, dim = q.shape
-    group = heads // k_cache.shape[1]
-    query = _pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
-    tiles = query.shape[1]
-    keys = _pad_rows(k_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
-    values = _pad_rows(v_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
-    positions = torch.arange(tiles * ROW_TILE, device=q.device).view(tiles, ROW_TILE, 1) + seg.cached
-    best = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), device=q.device, dtype=query.dtype)
-    total = torch.zeros_like(best)
-    acc = torch.zeros_like(query)
-    for start in range(0, keys.shape[1], KEY_TILE):
-        # Expanded per query tile, so the batched matmul runs with M = ROW_TILE, never a folded height.
-        key_tile = keys[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1)
-        value_tile = values[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1)
-        visible = torch.arange(start, start + KEY_TILE, device=q.device) <= positions
-        scores = torch.matmul(query, key_tile.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: key 0 is always visible
-        scale, weights = torch.exp(best - new_best), torch.exp(scores - new_best)
-        total = total * scale + weights.sum(-1, keepdim=True)
-        acc = acc * scale + torch.matmul(weights, value_tile)
-        best = new_best
-    out = (acc / total).reshape(heads, -1, dim)[:, :rows]
-    return out.transpose(0, 1)
-
-
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = (-x.shape[0]) % multiple
-    return torch.cat([x, x.new_zeros((pad,) + x.shape[1:])]) if pad else x
 
 
 class _DecodeGroup:

@@ -19,7 +19,8 @@ from engine.defaults import DefaultsRegistry
 from engine.detokenizer import TextStream
 from engine.flash import FlashAttention, flash_available
 from engine.kv_cache import KVCache, plan_num_blocks
-from engine.lora import AdapterError, AdapterPoolFull, LoraAdapter, LoraPool, UnknownAdapter
+from engine.adapter_pool import AdapterPoolFull, LoraPool, UnknownAdapter
+from engine.adapters import AdapterError, LoraAdapter
 from engine.options import EngineOptions
 from engine.prompt import encode_prompt
 from engine.routing import Router
@@ -237,6 +238,7 @@ def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
         overflow=options.overflow_policy,
         length_aware=options.length_aware,
         early_stop=options.early_stop,
+        split_roles=options.deterministic,
     )
 
 

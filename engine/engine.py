@@ -17,7 +17,7 @@ import anyio.from_thread
 import anyio.to_thread
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, rejected_answer
-from engine.lora import LoraAdapter
+from engine.adapters import LoraAdapter
 from engine.options import EngineOptions
 from engine.prompt import as_question
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent

@@ -20,6 +20,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.group = spec.num_heads // spec.num_kv_heads  # query heads per KV head
 
     @property
     def nbytes(self) -> int:

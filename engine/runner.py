@@ -8,8 +8,7 @@ import torch
 
 from engine.attention import Segment, TorchAttention
 from engine.kv_cache import KVCache
-from engine.layers import ROW_TILE
-from engine.lora import LoraBatch, LoraStacks
+from engine.lora import LoraBatch, LoraStacks, TiledLoraBatch
 from engine.sampler import Sampler, SampleRow
 from engine.scheduler import StepPlan
 
@@ -23,7 +22,8 @@ class StepOutput:
 def segments_of(plan: StepPlan) -> list[Segment]:
     segments, row = [], 0
     for chunk in plan.chunks:
-        segments.append(Segment(row, chunk.length, chunk.start + chunk.length, tuple(chunk.seq.block_ids)))
+        generated = chunk.start >= chunk.seq.num_prompt_tokens
+        segments.append(Segment(row, chunk.length, chunk.start + chunk.length, tuple(chunk.seq.block_ids), generated))
         row += chunk.length
     return segments
 
@@ -48,8 +48,9 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         attend = self.attention.prepare(segments)
-        lora = LoraBatch.build([(c.seq.lora, s.q_start, s.q_len) for s, c in zip(segments, plan.chunks)],
-                               self.device, self.lora_stacks, ROW_TILE if self.weights.deterministic else 1)
+        spans = [(c.seq.lora, s.q_start, s.q_len) for s, c in zip(segments, plan.chunks)]
+        lora = (TiledLoraBatch.build(spans, self.device) if self.weights.deterministic
+                else LoraBatch.build(spans, self.device, self.lora_stacks))
         # Without adapters the call is exactly the base one: no LoRA argument, no LoRA work.
         hidden = (self.weights.forward(ids, pos, attend) if lora is None
                   else self.weights.forward(ids, pos, attend, lora=lora))

@@ -70,6 +70,9 @@ class SchedulerLimits:
     overflow: OverflowPolicy = "queue"
     length_aware: bool = False  # admit questions of similar prompt length together
     early_stop: bool = True  # evict finished questions at once (False keeps them until the batch drains)
+    # Deterministic mode: a chunk never mixes prompt and generated tokens, and generated tokens go one
+    # per chunk (also when recomputed after a preemption), so each token's row always takes one path.
+    split_roles: bool = False
 
 
 class Scheduler:
@@ -194,7 +197,7 @@ class Scheduler:
                 continue
             # Leave a token for every question behind this one: a long prefill never stalls their decodes.
             behind = len(self.running) - 1 - self.running.index(seq)
-            length = min(seq.num_uncomputed, max(1, budget - behind))
+            length = self._chunk_length(seq, max(1, budget - behind))
             if self._reserve(seq, length, plan):
                 plan.chunks.append(self._chunk(seq, length))
                 budget -= length
@@ -223,7 +226,7 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             seq = self._next_waiting()
-            length = min(seq.num_uncomputed, budget)
+            length = self._chunk_length(seq, budget)
             if not self.pool.grow(seq.question_id, seq.block_ids, length):
                 return  # the pool is full; the question waits for blocks to come back
             self.waiting.remove(seq)
@@ -251,11 +254,18 @@ class Scheduler:
             self.lingering.clear()
             return
         for seq in self.lingering:
-            length = min(seq.num_uncomputed, budget)
+            length = self._chunk_length(seq, budget)
             if length > 0 and seq.num_tokens < self.max_tokens_per_question and self.pool.grow(
                     seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
                 plan.chunks.append(self._chunk(seq, length))
                 budget -= length
+
+    def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        length = min(seq.num_uncomputed, budget)
+        if self.limits.split_roles:
+            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+            length = min(length, prompt_left if prompt_left > 0 else 1)
+        return length
 
     def _chunk(self, seq: Sequence, length: int) -> Chunk:
         start = seq.num_computed_tokens

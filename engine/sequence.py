@@ -67,7 +67,7 @@ class Sequence:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() value; None = no deadline
     adapter: str | None = None  # the adapter's name, as asked for
-    lora: object | None = None  # the adapter version resolved at admission (engine.lora.LoraAdapter)
+    lora: object | None = None  # the adapter version resolved at admission (engine.adapters.LoraAdapter)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

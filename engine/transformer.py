@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import apply_rope, linear, rms_norm, tiled_linear
+from engine.layers import apply_rope, linear, rms_norm
+from engine.tiles import TileCheck, tiled_linear
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
@@ -53,6 +54,13 @@ class Transformer:
         """Fixed row tiles for every matmul: a row's logits no longer depend on the batch (slower)."""
         self.deterministic = on
         self.linear = tiled_linear if on else linear
+        if on:  # prove the fixed tiles batch-invariant on this CPU before relying on them
+            TileCheck.weights(self.matrices())
+
+    def matrices(self) -> list[torch.Tensor]:
+        """Every weight matrix a forward multiplies by."""
+        per_layer = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return per_layer + [self.lm_head]
 
     @classmethod
     def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False) -> "Transformer":

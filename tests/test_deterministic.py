@@ -117,3 +117,65 @@ def test_a_second_engine_on_the_same_model_keeps_deterministic_mode(tiny_models,
     EngineCore(model, harness.tiny_options(deterministic=False))  # e.g. a default engine for other traffic
     packed = harness.run_core(model, batch_with_victim(harness, 7, 3), core=strict).logits["victim"]
     assert_bitwise(solo, packed)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Run the test body at this torch thread count, then restore the suite's (conftest sets 2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_bitwise_at_each_thread_count(tiny_models, harness, threads):
+    """Kernels split work by thread count; at any fixed count a row's bits must still ignore its
+    neighbours, its chunking and a recompute (step budget small enough to split prompts)."""
+    model = tiny_models["qwen3-tied"].kev
+    options = deterministic(harness, max_tokens_per_step=48)
+    solo = harness.run_core(model, [victim(harness)], options).logits["victim"]
+    packed = harness.run_core(model, batch_with_victim(harness, 9, 17), options).logits["victim"]
+    assert_bitwise(solo, packed)
+
+
+def test_one_call_per_tile_fallback_is_bitwise_too(tiny_models, harness, monkeypatch):
+    """Where the start-up check finds batched tiles not invariant, each tile gets its own call."""
+    from engine import tiles
+
+    model = tiny_models["llama"].kev
+    monkeypatch.setattr(tiles, "_key", lambda right: ("every shape",))
+    monkeypatch.setattr(tiles, "_LOOPED", {("every shape",)})
+    solo = harness.run_core(model, [victim(harness)], deterministic(harness)).logits["victim"]
+    packed = harness.run_core(model, batch_with_victim(harness, 5, 23), deterministic(harness)).logits["victim"]
+    assert_bitwise(solo, packed)
+
+
+def test_generated_tokens_are_recomputed_one_per_chunk(tiny_models, harness):
+    """After a preemption, a question's generated tokens are replayed as decodes, one per chunk, so
+    their rows take the same attention path as when they were first computed."""
+    model = tiny_models["qwen2"].kev
+    rng = random.Random(61)
+    batch = [harness.Q(f"n{i}", harness.random_prompt(rng, rng.randint(1, 24)), dict(max_new_tokens=24))
+             for i in range(5)]
+    packed = harness.run_core(model, batch, deterministic(harness, num_blocks=8))
+    assert packed.core.scheduler.num_preemptions > 0
+    prompt_len = {q.qid: len(q.prompt_ids) for q in batch}
+    for plan in packed.plans:
+        for qid, start, length, _sample in plan:
+            crosses = start < prompt_len[qid] < start + length
+            assert not crosses, f"{qid}: a chunk mixes prompt and generated tokens"
+            assert start < prompt_len[qid] or length == 1, f"{qid}: generated tokens computed {length} at once"
+
+
+def test_seeded_sampling_is_bitwise_and_same_text(tiny_models, harness):
+    """Sampling at temperature 0.8 with a seed: the same draws alone or packed, from the same bits."""
+    model = tiny_models["llama3-rope-tied"].kev
+    sampled = harness.Q("victim", harness.random_prompt(random.Random(5), 29),
+                        dict(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=1234))
+    solo = harness.run_core(model, [sampled], deterministic(harness))
+    rng = random.Random(8)
+    others = [harness.Q(f"n{i}", harness.random_prompt(rng, rng.randint(3, 60)),
+                        dict(max_new_tokens=rng.randint(4, 20), temperature=1.0, seed=i)) for i in range(6)]
+    packed = harness.run_core(model, others[:3] + [sampled] + others[3:], deterministic(harness))
+    assert packed.tokens("victim") == solo.tokens("victim")
+    assert_bitwise(solo.logits["victim"], packed.logits["victim"])

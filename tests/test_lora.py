@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineCore, IsolatedBatchPipeline, QuestionRejected
-from engine.lora import AdapterError
+from engine.adapters import AdapterError
 from engine.transformer import Transformer
 from schemas import Params, QuestionEvent
 

@@ -1,0 +1,104 @@
+"""Attention for deterministic mode: fixed tiles, fixed reduction order, no dependence on neighbours.
+
+A row's role decides its path, never the batch: prompt rows go through `attend_prompt_tiles`
+(queries in ROW_TILE-row tiles), generated-token rows through `FixedDecodes` (one token per
+question, all questions in one batched call). The scheduler never mixes the two roles in a chunk
+and computes generated tokens one per chunk, even when they are recomputed after a preemption, so
+a token's row takes the same path solo, packed, chunked or recomputed.
+
+Both paths read keys from the cache in tiles of KEY_TILE aligned at position 0, so a row meets the
+same tiles whatever else was scheduled. A tile past a row's position is fully masked: it adds exact
+zeros to the sums, which is why padding a batch to its longest context changes no bit of a shorter
+row. Every matmul item has a shape fixed by the model (rows per tile x head_dim x KEY_TILE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.tiles import ROW_TILE, check_items, pad_rows
+
+KEY_TILE = 64  # keys per tile
+
+
+def check_fixed_attention(head_dim: int, dtype: torch.dtype, group: int) -> None:
+    """Prove on this CPU that the item shapes both paths use are batch-invariant (logs if not)."""
+    for rows in {ROW_TILE, group}:
+        check_items(rows, head_dim, KEY_TILE, dtype)
+        check_items(rows, KEY_TILE, head_dim, dtype)
+
+
+def attend_prompt_tiles(q, k_cache, v_cache, ctx: torch.Tensor, cached: int) -> torch.Tensor:
+    """One question's prompt rows q [L, H, D] at positions cached.., over its cache slots `ctx`.
+
+    Queries in tiles of ROW_TILE rows, keys in tiles of KEY_TILE, combined with an online softmax
+    (as flash attention does), tile by tile in key order.
+    """
+    rows, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    query = pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
+    tiles = query.shape[1]
+    keys = pad_rows(k_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    values = pad_rows(v_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    positions = torch.arange(tiles * ROW_TILE, device=q.device).view(tiles, ROW_TILE, 1) + cached
+    best = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), device=q.device, dtype=query.dtype)
+    total = torch.zeros_like(best)
+    acc = torch.zeros_like(query)
+    for start in range(0, keys.shape[1], KEY_TILE):
+        # Expanded per query tile, so the batched matmul runs with M = ROW_TILE, never a folded height;
+        # copied, so its layout is the same with one query tile or many.
+        key_tile = keys[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1).contiguous()
+        value_tile = values[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1).contiguous()
+        visible = torch.arange(start, start + KEY_TILE, device=q.device) <= positions
+        scores = torch.matmul(query, key_tile.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: key 0 is always visible
+        scale, weights = torch.exp(best - new_best), torch.exp(scores - new_best)
+        total = total * scale + weights.sum(-1, keepdim=True)
+        acc = acc * scale + torch.matmul(weights, value_tile)
+        best = new_best
+    out = (acc / total).reshape(heads, -1, dim)[:, :rows]
+    return out.transpose(0, 1)
+
+
+class FixedDecodes:
+    """The generated-token rows of a step, one per question, attended in one batched computation.
+
+    Scores come from (group x head_dim) @ (head_dim x KEY_TILE) items, one per question, KV head
+    and key tile. The softmax uses each row's own maximum (exact: max has no rounding), per-tile
+    sums over exactly KEY_TILE keys, and a running sum over tiles in key order (cumsum is a
+    sequential scan), so trailing padded tiles add exact zeros and nothing depends on the batch.
+    """
+
+    def __init__(self, segments, block_size: int, device: torch.device):
+        tiles = max(-(-seg.kv_len // KEY_TILE) for seg in segments)
+        width = tiles * KEY_TILE
+        slots = torch.zeros(len(segments), width, dtype=torch.long)
+        for i, seg in enumerate(segments):
+            blocks = torch.tensor(seg.block_ids, dtype=torch.long)
+            own = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[: seg.kv_len]
+            slots[i] = own[0]  # padding reads the row's own first slot: finite, and masked anyway
+            slots[i, : seg.kv_len] = own
+        lengths = torch.tensor([seg.kv_len for seg in segments])
+        self.rows = torch.tensor([seg.q_start for seg in segments], device=device)
+        self.slots = slots.flatten().to(device)
+        self.batch, self.tiles = len(segments), tiles
+        visible = torch.arange(width)[None, :] < lengths[:, None]
+        self.hidden = (~visible).view(self.batch, 1, tiles, 1, KEY_TILE).to(device)
+
+    def attend(self, q, k_cache, v_cache) -> torch.Tensor:
+        """q [B, H, D]: the decode rows only, in segment order."""
+        batch, heads, dim = q.shape
+        kv_heads = k_cache.shape[1]
+        group = heads // kv_heads
+        shape = (batch, self.tiles, KEY_TILE, kv_heads, dim)
+        # Contiguous operands: a strided view could reach BLAS in another layout (another kernel) when
+        # the batch happens to be of size one.
+        keys = k_cache.index_select(0, self.slots).view(shape).permute(0, 3, 1, 4, 2).contiguous()  # [B, KVH, T, D, KT]
+        values = v_cache.index_select(0, self.slots).view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
+        query = (q * dim**-0.5).view(batch, kv_heads, 1, group, dim).expand(-1, -1, self.tiles, -1, -1).contiguous()
+        scores = torch.matmul(query, keys).masked_fill(self.hidden, float("-inf"))  # [B, KVH, T, group, KEY_TILE]
+        best = scores.amax(dim=(2, 4), keepdim=True)  # finite: key 0 is always visible
+        weights = torch.exp(scores - best)
+        total = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # [B, KVH, group, 1]
+        acc = torch.matmul(weights, values).cumsum(2)[:, :, -1]  # [B, KVH, group, D]
+        return (acc / total).reshape(batch, heads, dim)

@@ -1,0 +1,107 @@
+"""Fixed-shape tiles: the matmuls of deterministic mode, whose rows do not depend on their neighbours.
+
+A BLAS library picks its kernel, blocking and reduction order from the problem's shape, and the
+choice differs between CPUs (MKL on an AMD EPYC and on an Intel Xeon take different paths). So a
+row's last bits can move when the number of rows sharing its matmul moves. Deterministic mode never
+lets the row count reach the library: rows are padded to whole tiles of ROW_TILE and issued as a
+batch of independent (ROW_TILE x K) @ (K x N) products, one shape per weight matrix whatever the
+batch. `TileCheck` proves this on the running CPU and thread count before an engine relies on it;
+a shape that fails the check is computed one tile per call, which is invariant by definition.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+log = structlog.get_logger("kev.tiles")
+
+ROW_TILE = 16  # rows of every deterministic matmul tile
+_LOOPED: set[tuple] = set()  # shapes whose batched tiles failed the check here: one call per tile
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
+    return torch.cat([x, x.new_zeros((pad,) + x.shape[1:])]) if pad else x
+
+
+def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] @ right [K, N], every row computed inside a ROW_TILE x K tile of its own shape."""
+    rows = x.shape[0]
+    tiles = pad_rows(x, ROW_TILE).contiguous().view(-1, ROW_TILE, x.shape[1])
+    if _key(right) in _LOOPED:
+        out = torch.cat([tile @ right for tile in tiles])
+    else:
+        out = torch.bmm(tiles, right.expand(tiles.shape[0], -1, -1)).flatten(0, 1)
+    return out[:rows]
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in fixed row tiles (deterministic mode)."""
+    out = tiled_matmul(x, weight.t())
+    return out + bias if bias is not None else out
+
+
+def _key(right: torch.Tensor) -> tuple:
+    return (tuple(right.shape), tuple(right.stride()), right.dtype)
+
+
+class TileCheck:
+    """Checks that a tile's result is the same alone and in batches of other tiles, on this CPU.
+
+    Each tile of random rows is computed alone, then at several places among 1–6 random neighbour
+    tiles; any bit that moves marks the shape as looped (one call per tile). Cheap: a few batched
+    matmuls per weight shape, once per process and thread count.
+    """
+
+    _done: set[tuple] = set()
+
+    @classmethod
+    def weights(cls, matrices: list[torch.Tensor]) -> None:
+        for weight in matrices:
+            cls.right(weight.t())
+
+    @classmethod
+    def right(cls, right: torch.Tensor) -> None:
+        key = _key(right) + (torch.get_num_threads(),)
+        if key in cls._done:
+            return
+        cls._done.add(key)
+        if not _invariant(right):
+            _LOOPED.add(_key(right))
+            log.warning("deterministic.tile_fallback", shape=list(right.shape), threads=torch.get_num_threads(),
+                        reason="batched tiles are not bitwise invariant on this CPU; one call per tile")
+
+
+def check_items(rows: int, inner: int, cols: int, dtype: torch.dtype) -> bool:
+    """Attention's batched items (rows x inner) @ (inner x cols), each with its own right-hand side:
+    one item's result alone and among others must agree. There is no slower fallback to switch to,
+    so a failure is logged as an error (deterministic mode would not be bitwise here)."""
+    generator = torch.Generator().manual_seed(1)
+    left = torch.randn(7, rows, inner, generator=generator).to(dtype)
+    right = torch.randn(7, inner, cols, generator=generator).to(dtype)
+    alone = torch.bmm(left[3:4], right[3:4])[0]
+    same = all(torch.equal(torch.bmm(left[a:b], right[a:b])[3 - a], alone) for a, b in ((0, 7), (2, 5), (3, 6)))
+    if not same:
+        log.error("deterministic.attention_not_invariant", item=[rows, inner, cols], threads=torch.get_num_threads())
+    return same
+
+
+def _invariant(right: torch.Tensor) -> bool:
+    generator = torch.Generator().manual_seed(0)
+
+    def random_tiles(count: int) -> torch.Tensor:
+        shape = (count, ROW_TILE, right.shape[0])
+        return torch.randn(shape, generator=generator).to(right.dtype)
+
+    probe = random_tiles(1)
+    alone = torch.bmm(probe, right.expand(1, -1, -1))[0]
+    for count, place in ((2, 1), (3, 0), (5, 2), (7, 6)):
+        batch = random_tiles(count)
+        batch[place] = probe[0]
+        if not torch.equal(torch.bmm(batch, right.expand(count, -1, -1))[place], alone):
+            return False
+    # A row's place inside its tile must not matter either (chunking moves it).
+    order = torch.randperm(ROW_TILE, generator=generator)
+    moved = torch.bmm(probe[0][order][None], right.expand(1, -1, -1))[0]
+    return torch.equal(moved, alone[order])
