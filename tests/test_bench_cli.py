@@ -21,6 +21,14 @@ def test_bench_engine_prints_all_four_runs_and_the_identity_check(tiny_model_dir
     assert "(c) answers token-identical to (a): 3/3" in out  # greedy, fp32: Kev equals transformers
 
 
+def test_bench_engine_deterministic_prints_its_cost(tiny_model_dir, capsys):
+    assert main(["bench", "engine", "--model", str(tiny_model_dir), "--questions", "3", "--max-new-tokens", "4",
+                 "--repeats", "1", "--threads", "2", "--skip-sequential", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "(e) | kev, deterministic mode" in out
+    assert "deterministic mode: (e)/(c) = " in out and "answers equal to (c)'s: 3/3" in out
+
+
 def test_bench_scaling_draws_the_plot(tiny_model_dir, tmp_path, capsys):
     plot = tmp_path / "throughput.png"
     assert main(["bench", "scaling", "--model", str(tiny_model_dir), "--counts", "1,2",

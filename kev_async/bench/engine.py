@@ -31,12 +31,15 @@ def register(kinds: argparse._SubParsersAction) -> None:
     engine.add_argument("--skip-sequential", action="store_true",
                         help="skip (a), the slowest run (minutes); (c) is then checked against (b)")
     engine.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    engine.add_argument("--deterministic", action="store_true",
+                        help="also run (e), Kev in deterministic mode (bitwise batch-invariant logits), and "
+                             "print its cost as (e)/(c) and whether its answers equal (c)'s")
     engine.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
     bench_engine(bench_model(args), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
-                 repeats=args.repeats, sequential=not args.skip_sequential)
+                 repeats=args.repeats, sequential=not args.skip_sequential, deterministic=args.deterministic)
     return 0
 
 
@@ -52,10 +55,12 @@ class Run:
         return self.tokens / self.seconds
 
 
-def run_kev(model, questions, max_new_tokens: int, early_stop: bool, repeats: int) -> Run:
+def run_kev(model, questions, max_new_tokens: int, early_stop: bool, repeats: int,
+            deterministic: bool = False) -> Run:
     from engine.pipeline import IsolatedBatchPipeline
 
-    pipe = IsolatedBatchPipeline(model, max_batch_size=len(questions), early_stop=early_stop)
+    pipe = IsolatedBatchPipeline(model, max_batch_size=len(questions), early_stop=early_stop,
+                                 deterministic=deterministic)
     pipe.run(questions[:2], max_new_tokens=2)  # warm-up: first-call allocations
     runs = []
     for _ in range(repeats):
@@ -65,6 +70,8 @@ def run_kev(model, questions, max_new_tokens: int, early_stop: bool, repeats: in
     seconds, answers = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
     ids = [list(a.token_ids) for a in answers]
     name = "kev, early eviction" if early_stop else "kev, no early eviction"
+    if deterministic:
+        name = "kev, deterministic mode"
     return Run(name, seconds, sum(map(len, ids)), ids)
 
 
@@ -114,7 +121,7 @@ def _trim(tokens: list[int], eos: list[int]) -> list[int]:
 
 
 def bench_engine(model, *, num_questions: int = 32, max_new_tokens: int = 64, repeats: int = 3,
-                 sequential: bool = True, out=print) -> dict:
+                 sequential: bool = True, deterministic: bool = False, out=print) -> dict:
     from engine.prompt import as_question, encode_prompt
 
     questions = [as_question(q, i) for i, q in enumerate((QUESTIONS * 8)[:num_questions])]
@@ -125,6 +132,8 @@ def bench_engine(model, *, num_questions: int = 32, max_new_tokens: int = 64, re
         runs["a"] = run_hf_sequential(hf, model, prompts, max_new_tokens)
     runs["b"] = run_hf_padded(hf, model, prompts, max_new_tokens)
     runs["c"] = run_kev(model, questions, max_new_tokens, early_stop=True, repeats=repeats)
+    if deterministic:  # right after (c), so both see the same machine
+        runs["e"] = run_kev(model, questions, max_new_tokens, early_stop=True, repeats=repeats, deterministic=True)
     runs["d"] = run_kev(model, questions, max_new_tokens, early_stop=False, repeats=repeats)
     report(runs, model, num_questions, max_new_tokens, out)
     return runs
@@ -142,6 +151,11 @@ def report(runs: dict, model, num_questions: int, max_new_tokens: int, out=print
     for key in ("a", "b", "d"):
         if key in runs:
             out(f"(c)/({key}) = {c.rate / runs[key].rate:.2f}x")
+    if "e" in runs:
+        e = runs["e"]
+        same = sum(x == y for x, y in zip(e.answers, c.answers))
+        out(f"deterministic mode: (e)/(c) = {e.rate / c.rate:.2f}x of default throughput; "
+            f"answers equal to (c)'s: {same}/{len(c.answers)}")
     reference = runs.get("a") or runs["b"]
     same = sum(x == y for x, y in zip(c.answers, reference.answers))
     out(f"(c) answers token-identical to ({'a' if 'a' in runs else 'b'}): {same}/{len(c.answers)}")
