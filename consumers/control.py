@@ -11,6 +11,10 @@ for "latest" / seek_to_end (ListOffsets) are wrong; the highwater it sends with 
 right, and that is what tells the reader it has caught up. Order holds within a partition only,
 so the control topic has one partition (consumers.topics creates it so).
 
+Cancels (`action: cancel`) are skipped while catching up: they were meant for questions in flight
+then, and a question this worker takes later under the same id must not be cancelled by history.
+Only cancels that arrive once the reader is ready are sent on.
+
 A record that does not decode is logged (a structlog warning with its offset and reason) and
 skipped: a bad command never stops the reader.
 """
@@ -66,7 +70,8 @@ async def run_control_reader(
         await consumer.start()
         try:
             replayed = await reader.catch_up(catch_up_timeout)
-            log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped)
+            log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped,
+                     stale_cancels=reader.stale_cancels)
             task_status.started(replayed)
             while True:
                 await reader.poll_once()
@@ -86,6 +91,8 @@ class _ControlReader:
         self.consumer, self.out, self.poll_timeout_ms = consumer, out, poll_timeout_ms
         self.sent = 0
         self.skipped = 0
+        self.stale_cancels = 0  # cancels found while catching up, not sent
+        self.replaying = True
 
     async def catch_up(self, timeout: float) -> int:
         """Read until the position reaches the highwater of every partition; returns how many were sent."""
@@ -96,6 +103,7 @@ class _ControlReader:
                             assigned=len(self.consumer.assignment()))
                 break
             await self.poll_once()
+        self.replaying = False
         return self.sent
 
     async def poll_once(self) -> None:
@@ -103,7 +111,9 @@ class _ControlReader:
         for records in batch.values():
             for record in records:
                 event = self._decode(record)
-                if event is not None:
+                if event is not None and event.action == "cancel" and self.replaying:
+                    self.stale_cancels += 1
+                elif event is not None:
                     await self.out.send(event)
                     self.sent += 1
 

@@ -1,5 +1,8 @@
 """Answers, deltas, error answers and dead letters out to Kafka; each settles its source once acked.
 
+A question with a `reply_topic` gets its deltas and its answer there (keyed by question_id, so in
+order on one partition); one without gets them on the deltas and answers topics.
+
 `send()` only queues a record into the producer's batch; a settle task per record waits for the
 broker's ack (acks=all) and only then reports the source position as done. Those tasks live in the
 publisher's own task group, so leaving `async with Publisher(...)` waits for every ack in flight.
@@ -67,8 +70,7 @@ class Publisher:
             case AnswerEvent() as answer:
                 await self._answer(answer, source)
             case AnswerDelta() as delta if source.question.stream:
-                headers = _headers(delta.question_id, source.question.request_id)
-                await self._send(self.cfg.deltas_topic, delta.question_id.encode(), encode(delta), headers, "deltas")
+                await self._delta(delta, source)
             case AnswerDelta():
                 pass  # the asker did not ask for a stream
 
@@ -103,10 +105,26 @@ class Publisher:
                 raise
             # A reply_topic we cannot write to must not lose the answer, nor stall the next ones on it.
             log.warning("reply_topic_failed", topic=topic, question_id=answer.question_id, error=repr(error))
-            if len(self._unwritable) >= _MAX_UNWRITABLE:
-                self._unwritable.clear()
-            self._unwritable.add(topic)
+            self._mark_unwritable(topic)
             await self._send(self.cfg.answers_topic, key, encode(answer), headers, kind, **settle)
+
+    async def _delta(self, delta: AnswerDelta, source: Inbound) -> None:
+        topic = self._reply_topic(source.question.reply_topic)
+        topic = self.cfg.deltas_topic if topic == self.cfg.answers_topic else topic
+        key, headers = delta.question_id.encode(), _headers(delta.question_id, source.question.request_id)
+        try:
+            await self._send(topic, key, encode(delta), headers, "deltas")
+        except KafkaError as error:
+            if topic == self.cfg.deltas_topic:
+                raise
+            log.warning("reply_topic_failed", topic=topic, question_id=delta.question_id, error=repr(error))
+            self._mark_unwritable(topic)  # the answer goes to answers_topic too
+            await self._send(self.cfg.deltas_topic, key, encode(delta), headers, "deltas")
+
+    def _mark_unwritable(self, topic: str) -> None:
+        if len(self._unwritable) >= _MAX_UNWRITABLE:
+            self._unwritable.clear()
+        self._unwritable.add(topic)
 
     def _reply_topic(self, requested: str | None) -> str:
         if requested is None or requested == self.cfg.answers_topic:

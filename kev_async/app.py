@@ -2,7 +2,7 @@
 
     consumers.KafkaWorker ──Inbound──► [engine.questions] ──► engine_actor ──► [engine.answers] ──Outbound──┐
             ▲                                 ▲                                                             │
-            │ kev.control ─► control_actor ───┘ LoadAdapter / UnloadAdapter / UpdateDefaults (by ask)       │
+            │ kev.control ─► control_actor ───┘ LoadAdapter / UnloadAdapter / UpdateDefaults (ask), Cancel  │
             └──────────────────────── acked answers, then committed offsets ◄──────────────────────────────┘
 
 aiokafka is asyncio-only, so the service runs on anyio's asyncio backend.
@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_reader
 from engine import Engine, EngineOptions, load_model
-from kev_async.engine_actor import LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
+from kev_async.engine_actor import Cancel, LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
 from kev_async.observe.metrics import Metrics
 from kev_async.runtime.actors import Mailbox, ask
 from kev_async.runtime.lifecycle import Shutdown
@@ -163,6 +163,11 @@ class _ControlApplier:
             await self._progress.wait()
 
     async def apply(self, event: ControlEvent) -> None:
+        if event.action == "cancel":
+            # Every worker hears every cancel; the engine ignores an id it does not hold. Nothing to wait for.
+            await self.inbox.send(Cancel(event.question_id))
+            log.info("control.cancel", question_id=event.question_id)
+            return
         if event.action == "load_adapter":
             body = LoadAdapter(event.name, event.path)
         elif event.action == "unload_adapter":

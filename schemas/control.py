@@ -31,9 +31,10 @@ from schemas.wire import (
     unparseable,
 )
 
-ControlAction = Literal["load_adapter", "unload_adapter", "update_defaults"]
+ControlAction = Literal["load_adapter", "unload_adapter", "update_defaults", "cancel"]
 AdapterName = Annotated[str, Meta(min_length=1, max_length=256)]
 AdapterPath = Annotated[str, Meta(min_length=1, max_length=4096)]
+QuestionId = Annotated[str, Meta(min_length=1, max_length=256)]  # as on QuestionEvent
 
 
 class ControlEvent(Struct, frozen=True, omit_defaults=True):
@@ -44,12 +45,16 @@ class ControlEvent(Struct, frozen=True, omit_defaults=True):
     - unload_adapter: `name`; new questions naming it get `unknown_adapter`
     - update_defaults: `defaults`, e.g. {"temperature": 0.7}: new engine-wide sampling defaults for
       questions admitted from now on (keys: see DEFAULTS_KEYS)
+    - cancel: `question_id`: the worker holding that question ends it now (finish_reason "cancelled")
+      and frees its KV blocks; the others ignore it. A cancel only means something while its
+      question may be running, so a worker replaying the topic at start skips the cancels
     """
 
     action: ControlAction
     name: AdapterName | None = None
     path: AdapterPath | None = None
     defaults: dict[str, float | int] | None = None
+    question_id: QuestionId | None = None
     schema: int = SCHEMA_VERSION
 
 
@@ -65,8 +70,9 @@ class _DefaultsChanges(Struct, forbid_unknown_fields=True):
 
 
 DEFAULTS_KEYS = tuple(_DefaultsChanges.__struct_fields__)
-# Which of name / path / defaults each action needs; the others must be left out.
-_CONTROL_FIELDS = {"load_adapter": ("name", "path"), "unload_adapter": ("name",), "update_defaults": ("defaults",)}
+# Which of name / path / defaults / question_id each action needs; the others must be left out.
+_CONTROL_FIELDS = {"load_adapter": ("name", "path"), "unload_adapter": ("name",), "update_defaults": ("defaults",),
+                   "cancel": ("question_id",)}
 
 
 class InvalidControl(Exception):
@@ -125,7 +131,7 @@ def _check_control_schema(schema: Any) -> None:
 def _check_control_fields(event: ControlEvent) -> ControlEvent:
     """Each action's fields present, the others absent; defaults checked against their limits."""
     needed = _CONTROL_FIELDS[event.action]
-    for field_name in ("name", "path", "defaults"):
+    for field_name in ("name", "path", "defaults", "question_id"):
         given = getattr(event, field_name) is not None
         if field_name in needed and not given:
             raise InvalidControl("invalid_field", f"{field_name}: missing; {event.action} needs "
