@@ -24,7 +24,7 @@ SHORTCUTS = {
     "KEV_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
     "KEV_LOG_LEVEL": ("logging", "level"),
 }
-SECRET_KEYS = {("kafka", "security", "sasl_plain_password")}
+SECRET_KEYS = {("kafka", "security", "sasl_plain_password"), ("gateway", "api_keys")}
 _SCHEMA = mi.type_info(KevConfig)
 
 
@@ -77,7 +77,7 @@ def resolved_dict(cfg: KevConfig, redact: bool = True) -> dict:
         parent = data
         for key in keys[:-1]:
             parent = parent[key]
-        if parent[keys[-1]] is not None:
+        if parent[keys[-1]] not in (None, {}):  # an empty key table has nothing to hide
             parent[keys[-1]] = "***"
     return data
 

@@ -1,0 +1,174 @@
+"""The routes: an OpenAI request becomes a QuestionEvent on Kafka; its answer becomes the response.
+
+    POST /v1/chat/completions   POST /v1/completions   (stream: true -> Server-Sent Events)
+    GET  /v1/models             GET  /health           GET  /metrics
+
+Every question gets a fresh id (the response's `id`) and this instance's reply topic; the request
+waits for its answer there. A client that goes away, or a deadline that passes first, cancels the
+question on the control topic so the worker frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kev_async.gateway.auth import Authenticator
+from kev_async.gateway.catalog import ModelCatalog
+from kev_async.gateway.errors import HANDLERS, ApiError
+from kev_async.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObserveRequests
+from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
+from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
+from kev_async.gateway.publisher import BrokerUnavailable, QuestionPublisher
+from kev_async.gateway.replies import ReplyRouter
+from kev_async.gateway.streaming import AnswerStream, watch_disconnect
+from schemas import KevConfig, QuestionEvent
+
+log = structlog.get_logger("kev.gateway")
+
+# After a question's deadline the worker answers "timeout"; give that answer this long to come back.
+REPLY_GRACE_S = 5.0
+_JSON = msgspec.json.Encoder()
+
+
+@dataclass
+class Gateway:
+    """Everything the routes share; built and started by kev_async.gateway.server."""
+
+    cfg: KevConfig
+    publisher: QuestionPublisher
+    replies: ReplyRouter
+    catalog: ModelCatalog
+    auth: Authenticator
+    metrics: GatewayMetrics
+
+    def deadline_ms(self, request: Request, stream: bool) -> int:
+        """The question's timeout_ms: the configured deadline, shortened by a whole-response client timeout."""
+        limit = self.cfg.gateway.request_timeout_ms or self.cfg.aggregator.timeout_ms
+        client = request.headers.get("x-stainless-read-timeout")  # the openai client's own timeout, seconds
+        if client and not stream:  # for a stream it bounds each chunk, not the whole answer
+            try:
+                limit = min(limit, max(1, int(float(client) * 1000)))
+            except ValueError:
+                pass
+        return limit
+
+    async def cancel(self, question_id: str) -> None:
+        self.metrics.cancels.inc()
+        await self.publisher.cancel(question_id)
+
+    async def publish(self, question: QuestionEvent) -> None:
+        try:
+            await self.publisher.publish(question)
+        except BrokerUnavailable:
+            self.metrics.publish_failures.inc()
+            raise
+
+
+def create_app(gateway: Gateway) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=HANDLERS)
+    app.state.gateway = gateway
+    app.add_middleware(ObserveRequests, metrics=gateway.metrics, routes=frozenset(r.path for r in routes))
+    return app
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _answer(request, ChatRequest)
+
+
+async def completions(request: Request) -> Response:
+    return await _answer(request, CompletionRequest)
+
+
+async def models(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    gateway.auth.tenant(request.headers.get("authorization"))
+    return _json(gateway.catalog.listing())
+
+
+async def health(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    ok = gateway.publisher.healthy
+    body = {"status": "ok" if ok else "broker_unavailable", "model": gateway.catalog.model,
+            "reply_topic": gateway.replies.topic, "in_flight": gateway.replies.waiting}
+    return _json(body, status=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _answer(request: Request, kind: type[ChatRequest] | type[CompletionRequest]) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    started = time.perf_counter()
+    tenant = gateway.auth.tenant(request.headers.get("authorization"))
+    body = await _read_body(request, gateway.cfg.gateway.max_body_bytes)
+    parsed = parse_request(body, kind)
+    adapter = gateway.catalog.resolve(parsed.model)
+    chat = kind is ChatRequest
+    question_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    timeout_ms = gateway.deadline_ms(request, bool(parsed.stream))
+    question = to_question(parsed, question_id=question_id, tenant=tenant, reply_topic=gateway.replies.topic,
+                           timeout_ms=timeout_ms, adapter=adapter, max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
+    wait_s = timeout_ms / 1000 + REPLY_GRACE_S
+    if parsed.stream:
+        return AnswerStream(gateway, question, parsed, chat=chat, wait_s=wait_s, started=started)
+    answer = await _ask(request, gateway, question, wait_s)
+    raise_for_error(answer)
+    shape = chat_completion if chat else text_completion
+    body = shape(answer, id_=question_id, model=parsed.model, created=int(time.time()))
+    return _json(body, headers={"x-request-id": question_id, **kev_headers(answer)})
+
+
+async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float):
+    """Publish, then wait for the answer, the deadline, or the client leaving (the last two cancel it)."""
+    answer = None
+    with gateway.replies.expect(question.question_id) as pending, gateway.metrics.waiting():
+        await gateway.publish(question)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnect, request.receive, tg.cancel_scope)
+                with anyio.move_on_after(wait_s):
+                    answer = await pending.wait_answer()
+                tg.cancel_scope.cancel()
+        finally:
+            if answer is None:
+                await gateway.cancel(question.question_id)
+    if answer is None:
+        raise ApiError(504, f"No answer within {wait_s:g} s; the question was cancelled.", code="timeout")
+    return answer
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(body: dict, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_JSON.encode(body), status_code=status, headers=headers, media_type="application/json")

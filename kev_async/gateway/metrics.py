@@ -1,0 +1,72 @@
+"""The gateway's Prometheus metrics, served by the gateway itself on `GET /metrics`."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: from a few milliseconds of gateway overhead to minutes-long answers.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kev_gateway_requests_total", "HTTP requests answered, by route and status.",
+                                ["route", "status"], registry=r)
+        self.latency = Histogram("kev_gateway_request_seconds", "Request received to response finished, by route.",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_byte = Histogram("kev_gateway_time_to_first_chunk_seconds",
+                                    "Streamed requests: received to the first content chunk sent.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("kev_gateway_requests_in_flight", "Questions published and not yet answered.",
+                               registry=r)
+        self.cancels = Counter("kev_gateway_cancels_total",
+                               "Cancels sent to the workers (client gone or deadline passed).", registry=r)
+        self.publish_failures = Counter("kev_gateway_publish_failures_total",
+                                        "Questions the broker did not ack in time (answered 503).", registry=r)
+
+    @contextmanager
+    def waiting(self):
+        self.in_flight.inc()
+        try:
+            yield
+        finally:
+            self.in_flight.dec()
+
+    def observe(self, route: str, status: int, started: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(time.perf_counter() - started)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ObserveRequests:
+    """ASGI middleware: count every HTTP response by route and status and time it to its last byte
+    (for a stream, that is when `data: [DONE]` went out)."""
+
+    def __init__(self, app, metrics: GatewayMetrics, routes: frozenset[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+        route = scope.get("path", "") if scope.get("path", "") in self.routes else "other"
+
+        async def observed_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            self.metrics.observe(route, status, started)

@@ -1,0 +1,216 @@
+"""OpenAI request bodies (chat and legacy completions) as frozen msgspec Structs, and their translation
+into Kev's QuestionEvent.
+
+Unknown fields are rejected, as OpenAI does ("Unrecognized request argument supplied"). Fields OpenAI
+has and Kev cannot honour (n > 1, penalties, logprobs, tools, ...) are accepted only at their neutral
+value; anything else is a 400 naming the field, so a client never gets an answer that silently
+ignored what it asked for. The finished question goes through `decode_question`, the same gate a
+worker applies, so whatever a worker would refuse is refused here, before anything is published.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+from kev_async.gateway.errors import ApiError, bad_request
+from schemas import InvalidQuestion, QuestionEvent, UndecodableEvent, decode_question
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses Kev's own default
+
+
+class StreamOptions(Struct, frozen=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class _Common(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Kev extensions, spelled as vLLM spells them; OpenAI clients send them through `extra_body`.
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    # Accepted and ignored: they change nothing about the answer (`user` is NOT the tenant).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class ChatRequest(_Common, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+
+
+class CompletionRequest(_Common, frozen=True, kw_only=True):
+    prompt: str | list[Any]
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+# field -> is this value one Kev honours by doing nothing?
+_NEUTRAL = {
+    "n": lambda v: v in (None, 1),
+    "best_of": lambda v: v in (None, 1),
+    "frequency_penalty": lambda v: not v,
+    "presence_penalty": lambda v: not v,
+    "logit_bias": lambda v: not v,
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "echo": lambda v: not v,
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v.get("type") == "text",
+    "reasoning_effort": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+}
+_DECODERS = {ChatRequest: msgspec.json.Decoder(ChatRequest), CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
+# Kev's question fields, named as the OpenAI request names them.
+_PARAM_NAMES = {"params.max_new_tokens": "max_tokens", "params.temperature": "temperature", "params.top_p": "top_p",
+                "params.top_k": "top_k", "params.seed": "seed", "params.repetition_penalty": "repetition_penalty",
+                "params.stop": "stop", "adapter": "model"}
+
+
+def parse_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
+    """Decode a request body; any problem is a 400 in OpenAI's words, naming the field."""
+    try:
+        request = _DECODERS[kind].decode(body)
+    except msgspec.ValidationError as error:  # a subclass of DecodeError: first
+        raise _invalid_field(str(error)) from None
+    except msgspec.DecodeError as error:
+        raise bad_request(f"We could not parse the JSON body of your request. ({error})", code="invalid_json") from None
+    for field, neutral in _NEUTRAL.items():
+        value = getattr(request, field, None)
+        if not neutral(value):
+            raise bad_request(f"{field}={msgspec.json.encode(value).decode()[:100]} is not supported by Kev",
+                              param=field, code="unsupported_value")
+    return request
+
+
+def to_question(request: ChatRequest | CompletionRequest, *, question_id: str, tenant: str | None,
+                reply_topic: str, timeout_ms: int, adapter: str | None, max_prompt_chars: int) -> QuestionEvent:
+    """The QuestionEvent a worker will answer, checked by the workers' own gate."""
+    event: dict[str, Any] = {"question_id": question_id, "params": _params(request), "timeout_ms": timeout_ms,
+                             "stream": bool(request.stream), "reply_topic": reply_topic}
+    if tenant is not None:
+        event["tenant"] = tenant
+    if adapter is not None:
+        event["adapter"] = adapter
+    if isinstance(request, ChatRequest):
+        event["messages"] = [_message(i, m) for i, m in enumerate(request.messages)]
+    else:
+        event["prompt"] = _prompt(request.prompt)
+    try:
+        return decode_question(msgspec.json.encode(event), max_prompt_chars=max_prompt_chars)
+    except InvalidQuestion as bad:
+        raise _refused(bad, chat=isinstance(request, ChatRequest)) from None
+    except UndecodableEvent as bad:  # only a gateway bug gets here
+        raise ApiError(500, f"the gateway built an undecodable question: {bad}", code="internal_error") from None
+
+
+def wants_usage_in_stream(request: ChatRequest | CompletionRequest) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage
+
+
+def _params(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    if isinstance(request, CompletionRequest) and max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    params = {"max_new_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+              "seed": request.seed, "top_k": request.top_k, "repetition_penalty": request.repetition_penalty,
+              "stop": stop}
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if message.role in ("tool", "function") or message.tool_calls:
+        raise bad_request(f"{where}: tool and function messages are not supported by Kev", param=where,
+                          code="unsupported_value")
+    if message.content is None:
+        raise bad_request(f"{where}.content: missing", param=f"{where}.content")
+    role = "system" if message.role == "developer" else message.role  # OpenAI's new name for the same thing
+    return {"role": role, "content": _text(message.content, f"{where}.content")}
+
+
+def _text(content: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{i}]: only text parts are supported by Kev (got type "
+                              f"{str(part.get('type'))[:40]!r})", param=f"{where}[{i}]", code="unsupported_value")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt(prompt: str | list[Any]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    raise bad_request("prompt: give one string; batches of prompts and token-id prompts are not supported by Kev",
+                      param="prompt", code="unsupported_value")
+
+
+def _invalid_field(message: str) -> ApiError:
+    match = _AT.match(message)
+    reason, path = match["msg"], match["path"] or None
+    unknown = _UNKNOWN.match(reason)
+    if unknown:
+        name = f"{path}.{unknown['name']}" if path else unknown["name"]
+        return bad_request(f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unrecognized_argument")
+    return bad_request(f"{path}: {reason}" if path else reason, param=path, code="invalid_type")
+
+
+def _refused(bad: InvalidQuestion, *, chat: bool) -> ApiError:
+    field, _, reason = bad.message.partition(": ")
+    param = _PARAM_NAMES.get(field, field.split(".")[0].split("[")[0] or None)
+    if chat and param == "prompt":  # the worker's gate counts the messages as the prompt
+        param = "messages"
+    message = f"{param}: {reason}" if reason and param != field else bad.message
+    code = "context_length_exceeded" if bad.code == "too_large" else bad.code
+    return bad_request(message, param=param, code=code)

@@ -1,0 +1,76 @@
+"""The gateway's way into Kafka: questions onto the questions topic, cancels onto the control topic.
+
+A question counts as sent once the broker acked it (acks=all); if that takes longer than
+`publish_timeout_ms` the broker is taken to be down and the request gets a 503 at once, rather
+than waiting out aiokafka's own 40 s metadata and request timeouts.
+"""
+
+from __future__ import annotations
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from consumers.security import client_options
+from kev_async.gateway.errors import ApiError
+from schemas import ControlEvent, KafkaConfig, QuestionEvent, encode
+
+log = structlog.get_logger("kev.gateway.publisher")
+
+CANCEL_TIMEOUT_S = 2.0
+
+
+class BrokerUnavailable(ApiError):
+    def __init__(self, why: str) -> None:
+        super().__init__(503, f"Kev's message broker is not reachable ({why}); try again later.",
+                         code="broker_unavailable")
+
+
+class QuestionPublisher:
+    def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int) -> None:
+        self.cfg = cfg
+        self.timeout = publish_timeout_ms / 1000
+        self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", linger_ms=0,
+                                         request_timeout_ms=max(1000, publish_timeout_ms),
+                                         **client_options(cfg.security))
+        self.healthy = False  # the last publish was acked
+
+    async def start(self) -> None:
+        await self.producer.start()
+        self.healthy = True
+
+    async def stop(self) -> None:
+        with anyio.move_on_after(5.0, shield=True):
+            try:
+                await self.producer.stop()
+            except KafkaError as error:
+                log.warning("gateway.producer_stop_failed", error=repr(error))
+
+    async def publish(self, question: QuestionEvent) -> None:
+        """Send and wait for the broker's ack; BrokerUnavailable (503) when it does not come in time."""
+        try:
+            with anyio.fail_after(self.timeout):
+                delivery = await self.producer.send(self.cfg.questions_topic, encode(question),
+                                                    key=question.question_id.encode())
+                await delivery
+        except TimeoutError:
+            self.healthy = False
+            raise BrokerUnavailable(f"no ack within {self.timeout:g} s") from None
+        except KafkaError as error:
+            self.healthy = False
+            raise BrokerUnavailable(type(error).__name__) from None
+        self.healthy = True
+
+    async def cancel(self, question_id: str) -> bool:
+        """Tell every worker to drop the question (its KV blocks are freed); shielded, bounded, best effort."""
+        event = ControlEvent(action="cancel", question_id=question_id)
+        with anyio.move_on_after(CANCEL_TIMEOUT_S, shield=True):
+            try:
+                await (await self.producer.send(self.cfg.control_topic, encode(event)))
+                return True
+            except KafkaError as error:
+                log.warning("gateway.cancel_failed", question_id=question_id, error=repr(error))
+                return False
+        log.warning("gateway.cancel_timed_out", question_id=question_id)
+        return False

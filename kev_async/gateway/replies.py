@@ -1,0 +1,145 @@
+"""This gateway instance's reply topic: one consumer reads every answer and delta sent to it and hands
+each to the request waiting for that question_id.
+
+Workers send a question's deltas and its answer to the question's `reply_topic`, keyed by question_id,
+so they share a partition and arrive in order: deltas first, the answer last. The topic is made for
+this instance at start (`kev.replies.<instance id>`) and read from its first record, so nothing sent
+before the consumer caught up is missed. An event for a question nobody waits for (its client left)
+is dropped. A duplicate delta (a question redelivered to a second worker) is dropped by its seq.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+
+import anyio
+import msgspec
+import structlog
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from consumers import create_topics
+from consumers.security import client_options
+from schemas import AnswerDelta, AnswerEvent, KafkaConfig, decode_answer, decode_delta
+
+log = structlog.get_logger("kev.gateway.replies")
+
+# Reply latency is the gateway's overhead: ask the broker to answer a fetch as soon as it has a record.
+FETCH_MAX_WAIT_MS = 20
+
+
+class Pending:
+    """One question's replies as they arrive: deltas (in seq order, duplicates dropped), then the answer."""
+
+    def __init__(self, question_id: str) -> None:
+        self.question_id = question_id
+        self.answer: AnswerEvent | None = None
+        self._next_seq = 0
+        self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta]
+        self._receive: MemoryObjectReceiveStream[AnswerEvent | AnswerDelta]
+        self._send, self._receive = anyio.create_memory_object_stream(math.inf)
+
+    def deliver(self, event: AnswerEvent | AnswerDelta) -> None:
+        if self.answer is not None:
+            return  # a redelivered question's second answer
+        if isinstance(event, AnswerDelta):
+            if event.seq != self._next_seq:
+                return
+            self._next_seq += 1
+        else:
+            self.answer = event
+        self._send.send_nowait(event)
+
+    async def events(self) -> AsyncIterator[AnswerEvent | AnswerDelta]:
+        """Every reply until (and with) the answer."""
+        async for event in self._receive:
+            yield event
+            if isinstance(event, AnswerEvent):
+                return
+
+    async def wait_answer(self) -> AnswerEvent:
+        async for event in self.events():
+            if isinstance(event, AnswerEvent):
+                return event
+        raise AssertionError("unreachable: events() ends with the answer")
+
+    def close(self) -> None:
+        self._send.close()
+        self._receive.close()
+
+
+class ReplyRouter:
+    def __init__(self, cfg: KafkaConfig, reply_topic: str) -> None:
+        self.cfg, self.topic = cfg, reply_topic
+        self._pending: dict[str, Pending] = {}
+        self.routed = 0
+        self.dropped = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    @contextmanager
+    def expect(self, question_id: str):
+        """Register before publishing (an answer can come back before `publish` returns)."""
+        pending = self._pending[question_id] = Pending(question_id)
+        try:
+            yield pending
+        finally:
+            del self._pending[question_id]
+            pending.close()
+
+    async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Create the reply topic, read it until cancelled; ready once the consumer has its partition."""
+        await create_topics(self.cfg.bootstrap_servers, {self.topic: 1}, self.cfg.security)
+        consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.cfg.bootstrap_servers, group_id=None,
+                                    auto_offset_reset="earliest", enable_auto_commit=False,
+                                    fetch_max_wait_ms=FETCH_MAX_WAIT_MS, **client_options(self.cfg.security))
+        await consumer.start()
+        try:
+            while not consumer.assignment():
+                await consumer.getmany(timeout_ms=50)  # metadata for a topic made a moment ago
+            log.info("gateway.replies_ready", topic=self.topic)
+            task_status.started()
+            while True:
+                batch = await consumer.getmany(timeout_ms=1000)
+                for records in batch.values():
+                    for record in records:
+                        self._route(record.value)
+        finally:
+            with anyio.move_on_after(5.0, shield=True):
+                try:
+                    await consumer.stop()
+                except KafkaError as error:
+                    log.warning("gateway.replies_stop_failed", error=repr(error))
+
+    def _route(self, value: bytes | None) -> None:
+        event = _decode(value or b"")
+        if event is None:
+            return
+        pending = self._pending.get(event.question_id)
+        if pending is None:
+            self.dropped += 1
+            return
+        self.routed += 1
+        pending.deliver(event)
+
+
+def _decode(value: bytes) -> AnswerEvent | AnswerDelta | None:
+    # A delta has `seq`, an answer has not; an answer decoded as a delta fails, so try the delta first.
+    try:
+        return decode_delta(value)
+    except msgspec.ValidationError:
+        pass
+    except msgspec.DecodeError:
+        log.warning("gateway.reply_undecodable", size=len(value))
+        return None
+    try:
+        return decode_answer(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        log.warning("gateway.reply_undecodable", size=len(value), error=str(error))
+        return None

@@ -1,0 +1,107 @@
+"""`stream: true`: an ASGI response that publishes the question, then sends Server-Sent Events built from
+its deltas as they arrive, and `data: [DONE]` after the answer.
+
+Written as a plain ASGI callable rather than starlette's StreamingResponse so that everything a
+stream owns (its place in the reply router, its disconnect watcher, the cancel when it ends early)
+lives and dies inside one `__call__`: a client that hangs up cancels the stream's task group, and
+the `finally` sends the question's cancel, shielded, so the worker frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+from anyio import CancelScope
+from starlette.types import Receive, Scope, Send
+
+from kev_async.gateway.errors import ApiError
+from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wants_usage_in_stream
+from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, ascii_json, raise_for_error, sse
+from kev_async.gateway.replies import Pending
+from schemas import AnswerDelta, AnswerEvent, QuestionEvent
+
+if TYPE_CHECKING:
+    from kev_async.gateway.app import Gateway
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+async def watch_disconnect(receive: Receive, scope: CancelScope) -> None:
+    """Cancel `scope` when the client hangs up (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+class AnswerStream:
+    def __init__(self, gateway: "Gateway", question: QuestionEvent, request: ChatRequest | CompletionRequest, *,
+                 chat: bool, wait_s: float, started: float) -> None:
+        self.gateway, self.question, self.wait_s, self.started = gateway, question, wait_s, started
+        self.include_usage = wants_usage_in_stream(request)
+        self.chunks = ChunkMaker(chat=chat, id_=question.question_id, model=request.model, created=int(time.time()))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gateway, question_id = self.gateway, self.question.question_id
+        with gateway.replies.expect(question_id) as pending, gateway.metrics.waiting():
+            try:
+                await gateway.publish(self.question)
+            except ApiError as error:  # nothing sent yet: a plain HTTP error is still possible
+                await error.response()(scope, receive, send)
+                return
+            answered = False
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch_disconnect, receive, tg.cancel_scope)
+                    answered = await self._relay(pending, send)
+                    tg.cancel_scope.cancel()
+            finally:
+                if not answered:
+                    await gateway.cancel(question_id)
+
+    async def _relay(self, pending: Pending, send: Send) -> bool:
+        """Send the stream; True once the answer arrived (a deadline passing first is reported in-stream)."""
+        headers = [*SSE_HEADERS, (b"x-request-id", self.question.question_id.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if (first := self.chunks.first()) is not None:
+            await self._send(send, sse(first))
+        sent_text = 0
+        with anyio.move_on_after(self.wait_s):
+            async for event in pending.events():
+                if isinstance(event, AnswerDelta):
+                    if event.text:
+                        if not sent_text:
+                            self.gateway.metrics.first_byte.observe(time.perf_counter() - self.started)
+                        sent_text += len(event.text)
+                        await self._send(send, sse(self.chunks.text(event.text)))
+                    continue
+                await self._finish(send, event, sent_text)
+                return True
+        timeout = ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
+        await self._send(send, sse(timeout.body()) + SSE_DONE, more=False)
+        return False
+
+    async def _finish(self, send: Send, answer: AnswerEvent, sent_text: int) -> None:
+        try:
+            raise_for_error(answer)
+        except ApiError as error:  # mid-stream, OpenAI sends the error object as an event
+            await self._send(send, sse(error.body()) + SSE_DONE, more=False)
+            return
+        tail = answer.text[sent_text:]  # normally empty: the last delta carries the tail
+        out = sse(self.chunks.text(tail)) if tail else b""
+        out += sse(self.chunks.last(answer))
+        if self.include_usage:
+            out += sse(self.chunks.usage(answer))
+        # An SSE comment: clients skip it, so Kev's audit rides along without touching the chunk schema.
+        out += b": x-kev-audit " + ascii_json({"finish_reason": answer.finish_reason,
+                                               "audit": msgspec.to_builtins(answer.audit),
+                                               "timings": msgspec.to_builtins(answer.timings)}).encode() + b"\n\n"
+        await self._send(send, out + SSE_DONE, more=False)
+
+    async def _send(self, send: Send, body: bytes, *, more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": more})

@@ -1,0 +1,329 @@
+"""`kev gateway` with the official `openai` client and `httpx`, against a live stack: the embedded Tansu
+broker, an in-process worker on a tiny random-weight Llama, and the gateway. No mocks on the path.
+
+- chat and legacy completions, whole and streamed (a seeded sampled stream joins to the whole answer's
+  text), `models.list()`, adapters from kev.control, auth (401), n=2 and other bad input (4xx in
+  OpenAI's error shape, nothing published);
+- a stream the client abandons is cancelled: the worker ends the question `cancelled` and frees its
+  KV blocks;
+- 200 concurrent requests, half of them streamed: every one gets its own answer;
+- the broker gone: 503 in about `publish_timeout_ms`, never a hang;
+- the Kafka pieces under the gateway: deltas follow a question's reply_topic, and a worker replaying
+  kev.control skips old cancels.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+
+import anyio
+import httpx
+import msgspec
+import openai
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
+from gateway_fixtures import API_KEY, TENANT, live_stack, stack_config  # noqa: E402
+from kafka_fixtures import kafka_config, produce, read_topic, running_worker  # noqa: E402
+
+from consumers import EmbeddedBroker, create_topics, run_control_reader  # noqa: E402
+from schemas import ControlEvent, decode_answer, decode_question, encode  # noqa: E402
+
+pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
+pytestmark = pytest.mark.kafka
+
+MODEL = "tiny"
+SEA = [{"role": "user", "content": "Say something about the sea."}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def run(async_fn, *args):
+    return anyio.run(async_fn, *args, backend="asyncio")
+
+
+def post(stack, path: str, body, *, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(stack.url + path, content=content, headers={**headers, "content-type": "application/json"},
+                      timeout=30)
+
+
+async def replies_for(bootstrap: str, topic: str, question_id: str, timeout: float = 20.0) -> list:
+    """Every reply record for `question_id` on `topic` up to and with its answer (deltas decoded as dicts)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    found = []
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                for records in (await consumer.getmany(timeout_ms=100)).values():
+                    for record in records:
+                        if record.key != question_id.encode():
+                            continue
+                        data = msgspec.json.decode(record.value)
+                        found.append(data)
+                        if "seq" not in data:
+                            return found
+    finally:
+        await consumer.stop()
+
+
+# -- through the openai client ----------------------------------------------------------------------------
+
+def test_chat_completion_has_usage_and_kev_audit_header(client, stack):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=SEA, max_tokens=8)
+    completion = raw.parse()
+    assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
+    assert completion.model == MODEL
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = completion.usage
+    assert 1 <= usage.completion_tokens <= 8 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    kev = json.loads(raw.headers["x-kev-audit"])
+    assert kev["audit"]["worker"] == stack.worker and kev["audit"]["blocks"]
+    assert raw.headers["x-request-id"] == completion.id
+
+
+def test_completion(client):
+    completion = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=6)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    assert completion.choices[0].text and completion.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= completion.usage.completion_tokens <= 6
+
+
+def test_seeded_stream_joins_to_the_same_text_as_the_whole_answer(client):
+    params = dict(model=MODEL, messages=SEA, max_tokens=24, temperature=0.9, seed=11)
+    whole = client.chat.completions.create(**params).choices[0].message.content
+    chunks = list(client.chat.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    # Legacy completions stream the same way.
+    text = dict(model=MODEL, prompt="Waves", max_tokens=12, temperature=0.9, seed=5)
+    whole = client.completions.create(**text).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(**text, stream=True)) == whole
+
+
+def test_models_list_and_adapters_from_the_control_topic(client, stack):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=SEA, max_tokens=4)
+
+    kafka = stack.cfg.kafka
+    load = ControlEvent(action="load_adapter", name="sea-lora", path="/nowhere/sea-lora")
+    run(produce, kafka.bootstrap_servers, kafka.control_topic, [encode(load)])
+    deadline = time.monotonic() + 10
+    while "sea-lora" not in [m.id for m in client.models.list()]:
+        assert time.monotonic() < deadline, "the adapter never showed up in /v1/models"
+        time.sleep(0.1)
+    # The gateway names it as the question's adapter; the worker could not load /nowhere, so it answers
+    # unknown_adapter, which an OpenAI client sees as a 404 on `model`.
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="sea-lora", messages=SEA, max_tokens=4)
+    assert error.value.body["param"] == "model"
+    run(produce, kafka.bootstrap_servers, kafka.control_topic,
+        [encode(ControlEvent(action="unload_adapter", name="sea-lora"))])
+    deadline = time.monotonic() + 10
+    while "sea-lora" in [m.id for m in client.models.list()]:
+        assert time.monotonic() < deadline, "the adapter was never removed from /v1/models"
+        time.sleep(0.1)
+
+
+def test_bad_key_is_401_and_tenant_comes_from_the_key(stack):
+    with openai.OpenAI(base_url=stack.base_url, api_key="sk-wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.chat.completions.create(model=MODEL, messages=SEA, max_tokens=4)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    assert post(stack, "/v1/chat/completions", {"model": MODEL, "messages": SEA}, key=None).status_code == 401
+
+    answer = post(stack, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    kafka = stack.cfg.kafka
+    records = run(partial(read_topic, kafka.bootstrap_servers, kafka.questions_topic, 10**6, timeout=2.0, linger=0))
+    asked = [decode_question(r.value) for r in records if r.key == answer["id"].encode()]
+    assert [q.tenant for q in asked] == [TENANT]
+
+
+def test_n_2_is_a_400_naming_n(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=SEA, n=2)
+    assert error.value.status_code == 400 and error.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (b'{"model": "tiny", "messages": [', 400, None),                                     # malformed JSON
+    (b'[1, 2]', 400, None),                                                              # not an object
+    ({"model": MODEL, "messages": SEA, "max_tokens": "ten"}, 400, "max_tokens"),         # wrong type
+    ({"model": MODEL, "messages": SEA, "tenant": "evil"}, 400, "tenant"),                # unknown field
+    ({"model": MODEL}, 400, None),                                                       # no messages
+    ({"model": MODEL, "messages": SEA, "temperature": -1}, 400, "temperature"),          # out of range
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2001}]}, 400, "messages"),  # too long
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"model": MODEL, "messages": SEA, "logprobs": True}, 400, "logprobs"),
+    (b"{" + b" " * 1_000_001 + b"}", 413, None),
+])
+def test_bad_input_gets_an_openai_error_and_publishes_nothing(stack, body, status, param):
+    response = post(stack, "/v1/chat/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == ERROR_KEYS and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_nothing_bad_reaches_the_questions_topic(stack):
+    kafka = stack.cfg.kafka
+    count = partial(read_topic, kafka.bootstrap_servers, kafka.questions_topic, 10**6, timeout=1.0, linger=0)
+    before = len(run(count))
+    for body in ({"model": MODEL, "messages": SEA, "n": 3}, {"model": MODEL, "messages": SEA, "max_tokens": 0},
+                 {"model": MODEL, "prompt": ["a", "b"]}):
+        assert post(stack, "/v1/chat/completions", body).status_code == 400
+    assert post(stack, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}).status_code == 400
+    after = len(run(count))
+    assert after == before
+
+
+def test_abandoned_stream_is_cancelled_and_frees_its_kv_blocks(client, stack):
+    stream = client.chat.completions.create(model=MODEL, messages=SEA, max_tokens=900, stream=True)
+    chunks = [next(stream) for _ in range(4)]
+    assert stack.kv_blocks_used() > 0
+    stream.close()  # the client hangs up mid-answer
+
+    replies = run(replies_for, stack.cfg.kafka.bootstrap_servers, stack.reply_topic, chunks[0].id)
+    answer = decode_answer(msgspec.json.encode(replies[-1]))
+    assert answer.finish_reason == "cancelled"
+    assert answer.usage.completion_tokens < 900
+    deadline = time.monotonic() + 10
+    while stack.kv_blocks_used() != 0:
+        assert time.monotonic() < deadline, "the cancelled question kept its KV blocks"
+        time.sleep(0.05)
+
+
+def test_200_concurrent_requests_half_streamed_each_get_their_own_answer(client, stack):
+    prompts = [f"Question {i}: what comes after {i * 7}?" for i in range(20)]
+    # Sampled with a per-question seed, so every prompt has its own text (a random tiny model's greedy
+    # answers are too alike to show a mix-up); a seeded draw is the same alone or packed.
+    params = [dict(max_tokens=8, temperature=1.0, seed=100 + i) for i in range(20)]
+    solo = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], **k)
+            .choices[0].message.content for p, k in zip(prompts, params)]
+    assert len(set(solo)) > 15, solo
+
+    async def ask_all() -> dict[int, str]:
+        got: dict[int, str] = {}
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        headers = {"authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=stack.base_url, headers=headers, limits=limits, timeout=120) as http:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": prompts[i % 20]}], **params[i % 20]}
+                if i % 2:
+                    response = await http.post("/chat/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    got[i] = response.json()["choices"][0]["message"]["content"]
+                    return
+                async with http.stream("POST", "/chat/completions", json={**body, "stream": True}) as response:
+                    assert response.status_code == 200
+                    got[i] = await _sse_text(response)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(200):
+                    tg.start_soon(one, i)
+        return got
+
+    started = time.monotonic()
+    got = run(ask_all)
+    assert sorted(got) == list(range(200))
+    mixed = {i: (got[i], solo[i % 20]) for i in got if got[i] != solo[i % 20]}
+    assert not mixed, f"{len(mixed)} answers differ from their solo answer, e.g. {list(mixed.items())[:3]}"
+    assert time.monotonic() - started < 60
+
+
+async def _sse_text(response: httpx.Response) -> str:
+    text, done = [], False
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            continue
+        chunk = json.loads(line[len("data: "):])
+        assert "error" not in chunk, chunk
+        text += [choice["delta"].get("content") or "" for choice in chunk["choices"]]
+    assert done
+    return "".join(text)
+
+
+def test_health_and_metrics(stack):
+    assert httpx.get(stack.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert 'kev_gateway_requests_total{route="/v1/chat/completions",status="200"}' in metrics
+    assert "kev_gateway_request_seconds_bucket" in metrics
+
+
+# -- the broker gone ------------------------------------------------------------------------------------
+
+def test_broker_down_is_a_quick_503():
+    broker = EmbeddedBroker().start()
+    try:
+        cfg = stack_config(kafka_config(broker), publish_timeout_ms=1000)
+        with live_stack(cfg, worker=False) as stack:
+            broker.stop()
+            started = time.monotonic()
+            response = post(stack, "/v1/chat/completions", {"model": MODEL, "messages": SEA})
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "broker_unavailable"
+            assert time.monotonic() - started < 5
+            assert httpx.get(stack.url + "/health").status_code == 503
+    finally:
+        broker.stop()
+
+
+# -- the Kafka pieces under the gateway ------------------------------------------------------------------
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_deltas_follow_the_questions_reply_topic(kafka_broker, anyio_backend):
+    kafka = kafka_config(kafka_broker, partitions=1)
+    question = {"question_id": "s1", "prompt": "hi", "stream": True, "reply_topic": f"{kafka.answers_topic}.mine"}
+    await create_topics(kafka.bootstrap_servers, {question["reply_topic"]: 1})
+    async with running_worker(kafka):
+        await produce(kafka.bootstrap_servers, kafka.questions_topic, [msgspec.json.encode(question)])
+        replies = await replies_for(kafka.bootstrap_servers, question["reply_topic"], "s1")
+    assert [r.get("seq") for r in replies] == [0, 1, 2, None]  # the stand-in's three deltas, then the answer
+    assert "".join(r["text"] for r in replies[:-1]) == "echo: done"
+    assert await read_topic(kafka.bootstrap_servers, kafka.deltas_topic, 0, timeout=0.5, linger=0.2) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_control_reader_skips_old_cancels_and_passes_new_ones(kafka_broker, anyio_backend):
+    kafka = kafka_config(kafka_broker)
+    old = [ControlEvent(action="cancel", question_id="old"),
+           ControlEvent(action="update_defaults", defaults={"temperature": 0.5})]
+    await produce(kafka.bootstrap_servers, kafka.control_topic, [encode(e) for e in old])
+    send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+    async with anyio.create_task_group() as tg:
+        replayed = await tg.start(run_control_reader, kafka, send)
+        assert replayed == 1
+        assert (await receive.receive()).action == "update_defaults"
+        await produce(kafka.bootstrap_servers, kafka.control_topic,
+                      [encode(ControlEvent(action="cancel", question_id="new"))])
+        with anyio.fail_after(10):
+            assert (await receive.receive()) == ControlEvent(action="cancel", question_id="new")
+        tg.cancel_scope.cancel()
+
+
+def test_kev_gateway_help_and_a_clear_refusal_without_brokers(capsys):
+    from kev_async.cli import main
+
+    assert main(["gateway", "--help"]) == 0
+    assert "OpenAI(base_url=" in capsys.readouterr().out
+    assert main(["gateway"]) == 2  # "embedded" is no broker a worker shares
+    assert "--bootstrap-servers" in capsys.readouterr().err
