@@ -2,7 +2,8 @@
 
 It publishes the benchmark's mixed questions plus two bad events (one undecodable, one invalid) to
 kev.questions, prints every answer as it arrives on kev.answers, counts the dead letter, and stops
-the worker gracefully once everything is answered.
+the worker gracefully once everything is answered. With `http=True` (`kev demo --http`) it then
+starts the OpenAI-compatible gateway, prints a `curl` line that works, and serves until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ BAD_EVENTS = [
 
 
 async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, max_new_tokens: int,
-                   out=print, task_status=anyio.TASK_STATUS_IGNORED) -> dict:
+                   http: bool = False, out=print, task_status=anyio.TASK_STATUS_IGNORED) -> dict:
     questions = [QuestionEvent(question_id=f"demo-{i}", prompt=text, params=Params(max_new_tokens=max_new_tokens))
                  for i, text in enumerate((QUESTIONS * 8)[:num_questions])]
     async with anyio.create_task_group() as tg:
@@ -42,7 +43,12 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
         out(f"\n{summary['answers']} answers ({summary['errors']} error answers), "
             f"{summary['dead_letters']} dead letter(s), {summary['tokens']} tokens in {summary['seconds']:.1f}s "
             f"({summary['tokens'] / summary['seconds']:.1f} tokens/s end to end, through Kafka)")
-        shutdown.request("demo finished")
+        if http:
+            from kev_async.gateway.demo import demo_over_http
+
+            await demo_over_http(cfg, running.bootstrap_servers, shutdown, max_new_tokens=max_new_tokens, out=out)
+        else:
+            shutdown.request("demo finished")
     return summary
 
 

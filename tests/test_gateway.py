@@ -15,6 +15,10 @@ broker, an in-process worker on a tiny random-weight Llama, and the gateway. No 
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import signal
+import subprocess
 import time
 from functools import partial
 
@@ -26,7 +30,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
-from gateway_fixtures import API_KEY, TENANT, live_stack, stack_config  # noqa: E402
+from gateway_fixtures import API_KEY, SESSION_ENV, TENANT, live_stack, stack_config  # noqa: E402
 from kafka_fixtures import kafka_config, produce, read_topic, running_worker  # noqa: E402
 
 from consumers import EmbeddedBroker, create_topics, run_control_reader  # noqa: E402
@@ -327,3 +331,26 @@ def test_kev_gateway_help_and_a_clear_refusal_without_brokers(capsys):
     assert "OpenAI(base_url=" in capsys.readouterr().out
     assert main(["gateway"]) == 2  # "embedded" is no broker a worker shares
     assert "--bootstrap-servers" in capsys.readouterr().err
+
+
+def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
+    from serve_fixtures import KevProcess, kev_env, kev_processes
+
+    args = ["demo", "--http", "--port", "0", "--questions", "2", "--max-new-tokens", "4", "--model", str(tiny_model_dir)]
+    with kev_processes() as children:
+        demo = KevProcess(args, kev_env(**SESSION_ENV), tmp_path / "demo.log")
+        children.append(demo)
+        deadline = time.monotonic() + 120
+        while "kev: serving until Ctrl-C" not in demo.log():
+            assert demo.running() and time.monotonic() < deadline, demo.describe()
+            time.sleep(0.2)
+        curl = next(line for line in demo.log().splitlines() if line.startswith("curl "))
+        argv = shlex.split(curl)
+        if shutil.which("curl"):
+            reply = json.loads(subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout)
+        else:  # the same request, sent by httpx
+            url, body = argv[2], argv[argv.index("-d") + 1]
+            reply = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60).json()
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"], reply
+        demo.signal(signal.SIGINT)
+        assert demo.wait(60) == 0, demo.describe()

@@ -16,10 +16,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="the whole path on embedded defaults: broker, worker, questions, answers",
         description="Start the embedded broker and a worker, publish mixed questions plus two bad events, "
-                    "print every answer as it arrives on the answers topic, then stop gracefully.")
+                    "print every answer as it arrives on the answers topic, then stop gracefully. With --http, "
+                    "then start the OpenAI-compatible gateway too, print a curl line that works, and serve "
+                    "until Ctrl-C.")
     add_config_and_model(demo)
     demo.add_argument("--questions", type=int, default=32, help="how many questions to publish (default 32)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--http", action="store_true", help="also start `kev gateway` and keep serving until Ctrl-C")
+    demo.add_argument("--port", type=int, default=None, help="the gateway's port with --http (default gateway.port, "
+                                                             "8000; 0 = any free port)")
     demo.set_defaults(func=_demo)
 
 
@@ -33,5 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     # The demo is one short-lived process: no metrics endpoint, so it never clashes with a running worker.
     cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0))
-    demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens)
+    if args.port is not None:
+        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, port=args.port))
+    demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens, http=args.http)
     return anyio.run(partial(run_service, demo), backend="asyncio")
