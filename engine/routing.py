@@ -1,17 +1,18 @@
-"""Routing buckets: which of `buckets` channels-groups a question belongs to, by the configured strategy.
+"""Routing buckets: which of `buckets` channel groups a question belongs to, by the configured strategy.
 
 Inside one worker every question gets its own KV blocks whatever its bucket; the bucket is recorded
-in the answer's audit so operators can see how a strategy spreads load (and producers can use the
-same function to pick a Kafka partition key).
+in the answer's audit so operators can see how a strategy spreads load. The keys are the ones the
+producer-side partitioner (`consumers.partitioner`, `kev route`) uses to pick a Kafka partition;
+both come from `schemas.routing`, so the audit and the partition agree on what groups questions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import re
 
-STRATEGIES = ("round_robin", "length_aware", "semantic_hash", "consistent_hash")
+from schemas.routing import STRATEGIES, HashRing, affinity_key, kafka_partition, prefix_key
+
+__all__ = ["STRATEGIES", "Router", "jump_hash"]
 
 
 class Router:
@@ -21,15 +22,16 @@ class Router:
         self.strategy = strategy
         self.buckets = buckets
         self._turn = itertools.count()
+        self._ring = HashRing(buckets) if strategy == "consistent_hash" else None
 
     def bucket(self, question, num_prompt_tokens: int) -> int:
         if self.strategy == "round_robin":
             return next(self._turn) % self.buckets
-        if self.strategy == "length_aware":  # one bucket per power-of-two length class
+        if self.strategy == "length_aware":  # one bucket per power-of-two length class (tokens are known here)
             return min(self.buckets - 1, num_prompt_tokens.bit_length())
-        if self.strategy == "semantic_hash":  # the same question, however spaced or cased, lands together
-            return _hash(_normalise(question.prompt or " ".join(m.content for m in question.messages or ()))) % self.buckets
-        return jump_hash(_hash(question.tenant or question.question_id), self.buckets)
+        if self.strategy == "semantic_hash":  # the same system prompt / prompt start, however spaced or cased
+            return kafka_partition(prefix_key(question).encode(), self.buckets)
+        return self._ring.partition(affinity_key(question).encode())
 
 
 def jump_hash(key: int, buckets: int) -> int:
@@ -40,11 +42,3 @@ def jump_hash(key: int, buckets: int) -> int:
         key = (key * 2862933555777941757 + 1) & 0xFFFFFFFFFFFFFFFF
         j = int((b + 1) * (1 << 31) / ((key >> 33) + 1))
     return b
-
-
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip().lower()
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
