@@ -1,11 +1,19 @@
 """The KV block allocator: a fixed set of block ids, handed out and taken back, never grown.
 
 Pure Python on purpose (no torch): the scheduler plans with it, the tensors live in `kv_cache`.
+
+With a prefix cache, a full block of prompt tokens can be held by several questions at once (they
+only read it: each writes only slots past its cached prefix, and a partly filled block is never
+named). A block's holders are its reference count; when the last one lets go, a named block stays
+cached (idle, free-able) and is evicted least recently used first, only when the pool needs it.
 """
 
 from __future__ import annotations
 
-FREE, USED = 1, 0
+from engine.prefix_cache import PrefixCache
+
+# Flags, one byte per block, so bytes.find() locates a free run in C, not in a Python loop.
+FREE, USED, IDLE = 1, 0, 2  # IDLE: held by nobody, still cached
 
 
 class BlockPool:
@@ -16,23 +24,37 @@ class BlockPool:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # One byte per block lets bytes.find() locate a free run in C, not in a Python loop.
         self._flags = bytearray([FREE]) * num_blocks
-        self._owner: dict[int, str] = {}
+        self._holders: dict[int, list[str]] = {}  # held block -> questions holding it, first computer first
+        self.cache = PrefixCache()
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return self.num_blocks - len(self._owner)
+        """Blocks a question may take now: plain free ones plus idle cached ones (evicted on demand)."""
+        return self.num_blocks - len(self._holders)
 
     @property
     def num_used(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks named in the prefix cache, held or idle."""
+        return len(self.cache)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def owner_of(self, block_id: int) -> str | None:
-        return self._owner.get(block_id)
+        holders = self._holders.get(block_id)
+        return holders[0] if holders else None
+
+    def holders_of(self, block_id: int) -> tuple[str, ...]:
+        return tuple(self._holders.get(block_id, ()))
+
+    def is_free(self, block_id: int) -> bool:
+        return self._flags[block_id] != USED
 
     def grow(self, owner: str, blocks: list[int], num_tokens: int) -> bool:
         """Extend `blocks` in place so they hold `num_tokens`; False (and no change) if the pool is short."""
@@ -41,17 +63,59 @@ class BlockPool:
             return True
         if missing > self.num_free:
             return False
+        for _ in range(missing - (self.num_free - self.cache.num_idle)):  # plain free ones first
+            block_id = self.cache.evict_oldest()
+            self._flags[block_id] = FREE
+            self.num_evicted += 1
         blocks.extend(self._take(owner, missing, after=blocks[-1] if blocks else None))
         return True
 
+    # -- the prefix cache ------------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Cached blocks for the leading run of `hashes`; sharing them costs `idle_among` free blocks."""
+        return self.cache.lookup(hashes)
+
+    def idle_among(self, block_ids: list[int]) -> int:
+        return sum(1 for b in block_ids if self.cache.is_idle(b))
+
+    def share(self, owner: str, blocks: list[int], cached: list[int]) -> None:
+        """Hold the cached prefix blocks `cached` too (read-only), appending them to `blocks`."""
+        if blocks:
+            raise RuntimeError(f"{owner!r} already holds blocks; a cached prefix comes first")
+        for block_id in cached:
+            if self.cache.hash_of(block_id) is None or owner in self._holders.get(block_id, ()):
+                raise RuntimeError(f"block {block_id} is not a cached prefix block {owner!r} may share")
+        for block_id in cached:
+            self.cache.unpark(block_id)
+            self._holders.setdefault(block_id, []).append(owner)
+            self._flags[block_id] = USED
+        blocks.extend(cached)
+
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Name a block its holder has just filled; False if that prefix is cached elsewhere already."""
+        if self._flags[block_id] != USED:
+            raise RuntimeError(f"block {block_id} is not held; only a filled, held block can be cached")
+        return self.cache.add(block_id, block_hash)
+
+    # -- giving back -------------------------------------------------------------------------------------
     def release(self, owner: str, blocks: list[int]) -> None:
-        """Return every block in `blocks` to the pool and empty the list."""
+        """Let go of every block in `blocks` and empty the list; unshared, uncached ones become free."""
         for block_id in blocks:  # check them all first: a refused release must change nothing
-            if self._owner.get(block_id) != owner:
-                raise RuntimeError(f"block {block_id} is owned by {self._owner.get(block_id)!r}, not {owner!r}")
-        for block_id in blocks:
-            del self._owner[block_id]
-            self._flags[block_id] = FREE
+            if owner not in self._holders.get(block_id, ()):
+                raise RuntimeError(f"block {block_id} is owned by {self.owner_of(block_id)!r}, not {owner!r}")
+        # The tail first: it becomes the older eviction candidate, so a chain is evicted from its end
+        # and its head (what most questions share) stays reachable longest.
+        for block_id in reversed(blocks):
+            holders = self._holders[block_id]
+            holders.remove(owner)
+            if holders:
+                continue
+            del self._holders[block_id]
+            if self.cache.hash_of(block_id) is None:
+                self._flags[block_id] = FREE
+            else:
+                self._flags[block_id] = IDLE
+                self.cache.park(block_id)
         blocks.clear()
 
     def _take(self, owner: str, count: int, after: int | None) -> list[int]:
@@ -62,7 +126,7 @@ class BlockPool:
             ids = [i for i, flag in enumerate(self._flags) if flag == FREE][:count]
         for block_id in ids:
             self._flags[block_id] = USED
-            self._owner[block_id] = owner
+            self._holders[block_id] = [owner]
         return ids
 
     def _contiguous_start(self, count: int, after: int | None) -> int | None:

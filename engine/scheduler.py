@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from engine.block_pool import BlockPool
+from engine.prefix_cache import chain_hashes
 from engine.sequence import Sequence, Status
 
 Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
@@ -73,6 +74,9 @@ class SchedulerLimits:
     # Deterministic mode: a chunk never mixes prompt and generated tokens, and generated tokens go one
     # per chunk (also when recomputed after a preemption), so each token's row always takes one path.
     split_roles: bool = False
+    # A question that does not fit lets later ones that do go first, at most this many times; then
+    # admission waits for it (room for small questions, no starvation of a big one).
+    max_overtakes: int = 16
 
 
 class Scheduler:
@@ -87,6 +91,8 @@ class Scheduler:
         self._finished: list[Sequence] = []
         self._free_channels = list(range(limits.max_running))  # a heap: the lowest free channel first
         self.num_preemptions = 0
+        self.prompt_tokens_admitted = 0  # over first admissions: the prefix cache's hit rate
+        self.cached_tokens_admitted = 0
 
     # -- intake -------------------------------------------------------------------------------
     @property
@@ -145,6 +151,7 @@ class Scheduler:
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.length
+            self._name_filled_blocks(seq)
             if not chunk.sample:
                 continue
             token = next(tokens)
@@ -217,33 +224,104 @@ class Scheduler:
         self.running.remove(seq)
         heapq.heappush(self._free_channels, seq.channel)
         self.pool.release(seq.question_id, seq.block_ids)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered = 0
         seq.status = Status.PREEMPTED
         self.waiting.append(seq)
         plan.preempted.append(seq)
         self.num_preemptions += 1
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
-            seq = self._next_waiting()
-            length = self._chunk_length(seq, budget)
-            if not self.pool.grow(seq.question_id, seq.block_ids, length):
-                return  # the pool is full; the question waits for blocks to come back
-            self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            seq.channel = heapq.heappop(self._free_channels)
-            if seq.admitted_at is None:  # a fake clock may read 0.0
-                seq.admitted_at = self.clock()
-            self.running.append(seq)
-            plan.chunks.append(self._chunk(seq, length))
-            budget -= length
+        blocked: list[Sequence] = []  # waiting questions that did not fit this step
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.limits.max_running or not self.pool.num_free:
+                return
+            chunk = self._try_admit(seq, budget)
+            if chunk is None:
+                blocked.append(seq)
+                if seq.overtaken >= self.limits.max_overtakes:
+                    return  # passed over often enough: nobody behind it goes first any more
+                continue
+            for waiting in blocked:
+                waiting.overtaken += 1
+            plan.chunks.append(chunk)
+            budget -= chunk.length
 
-    def _next_waiting(self) -> Sequence:
+    def _try_admit(self, seq: Sequence, budget: int) -> Chunk | None:
+        """Admit `seq` with its first chunk if the pool has room for it, reading its cached prefix."""
+        cached = self._cached_prefix(seq)
+        seq.num_computed_tokens = len(cached) * self.pool.block_size
+        length = self._chunk_length(seq, budget)
+        needed = self.pool.blocks_for(seq.num_computed_tokens + length) - len(cached)
+        if seq.status == Status.PREEMPTED:
+            # Back only with room for all it had plus a block per running question: re-admitting it
+            # into a pool that cannot hold it would preempt it (or a neighbour) again at once.
+            needed = max(needed, self.pool.blocks_for(seq.num_tokens) - len(cached) + len(self.running))
+        if needed > self.pool.num_free - self.pool.idle_among(cached):
+            seq.num_computed_tokens = 0
+            return None
+        self.pool.share(seq.question_id, seq.block_ids, cached)
+        if not self.pool.grow(seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
+            raise RuntimeError(f"{seq.question_id}: the pool refused blocks it said it had")
+        seq.num_registered = len(cached)
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        seq.channel = heapq.heappop(self._free_channels)
+        if seq.admitted_at is None:  # a fake clock may read 0.0
+            seq.admitted_at = self.clock()
+            seq.cached_prompt_tokens = seq.num_computed_tokens
+            self.prompt_tokens_admitted += seq.num_prompt_tokens
+            self.cached_tokens_admitted += seq.num_computed_tokens
+        self.running.append(seq)
+        return self._chunk(seq, length)
+
+    def _admission_order(self):
+        """Waiting questions in the policy's order; with length-aware grouping, nearest the batch's first."""
+        order = self._ordered(self.waiting)
+        anchored = bool(self.running)
+        for i in range(len(order)):
+            if not anchored and self.running:  # the first one admitted anchors the grouping
+                anchored = True
+                order[i:] = self._ordered(order[i:])
+            yield order[i]
+
+    def _ordered(self, seqs: list[Sequence]) -> list[Sequence]:
         key = _ADMISSION_ORDER[self.limits.policy]
         if self.limits.length_aware and self.running:
             anchor = self.running[0].num_tokens.bit_length()
-            return min(self.waiting, key=lambda s: (abs(s.num_tokens.bit_length() - anchor), key(s)))
-        return min(self.waiting, key=key)
+            return sorted(seqs, key=lambda s: (abs(s.num_tokens.bit_length() - anchor), key(s)))
+        return sorted(seqs, key=key)
+
+    # -- the prefix cache ---------------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of `seq`'s leading full prompt blocks; never all its tokens (one draws)."""
+        if seq.cache_salt is None:
+            return []
+        if seq.prefix_hashes is None:
+            seq.prefix_hashes = chain_hashes(seq.cache_salt, seq.prompt_ids, self.pool.block_size)
+        usable = min(len(seq.prefix_hashes), (seq.num_tokens - 1) // self.pool.block_size)
+        return self.pool.lookup(seq.prefix_hashes[:usable])
+
+    def _name_filled_blocks(self, seq: Sequence) -> None:
+        """Cache the prompt blocks this step filled. Only prompt blocks: a generated token's K/V may be
+        computed along another path (deterministic mode's decode path), so it is never served."""
+        hashes = seq.prefix_hashes
+        if not hashes or seq.num_registered >= len(hashes):
+            return
+        filled = min(seq.num_computed_tokens // self.pool.block_size, len(hashes))
+        for i in range(seq.num_registered, filled):
+            if not self.pool.register(seq.block_ids[i], hashes[i]):
+                seq.num_registered = len(hashes)  # computed twice at once: the rest of its chain stays private
+                return
+        seq.num_registered = filled
+
+    def shared_prefix(self, seq: Sequence) -> list[bytes]:
+        """Hashes of `seq`'s leading blocks that are cached under its own chain: read-only, shareable."""
+        chain = []
+        for block_id, block_hash in zip(seq.block_ids, seq.prefix_hashes or ()):
+            if self.pool.cache.hash_of(block_id) != block_hash:
+                break
+            chain.append(block_hash)
+        return chain
 
     def _schedule_lingering(self, plan: StepPlan, budget: int) -> None:
         if not self.lingering:

@@ -82,6 +82,12 @@ class Sequence:
     error: str | None = None
     routing_bucket: int | None = None
     audit_blocks: tuple[int, ...] = ()  # the blocks it held when it ended, for the answer's audit
+    # The prefix cache (isolation.level: shared). No salt = this question neither reads nor fills it.
+    cache_salt: bytes | None = None
+    prefix_hashes: list[bytes] | None = None  # its full prompt blocks' hash chain, computed once
+    num_registered: int = 0  # leading blocks named in the cache (a refused name stops the run)
+    cached_prompt_tokens: int = 0  # prompt tokens read from the cache at its first admission
+    overtaken: int = 0  # later questions admitted while it did not fit (bounded: no starvation)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)
@@ -94,9 +100,8 @@ class Sequence:
     def cache_namespace(self) -> tuple[str, int] | None:
         """(adapter, version) of the weights that computed this question's KV; None = the base model.
 
-        KV blocks belong to one question, so nothing crosses adapters today. Kev has no prefix cache
-        yet; when it gets one, its keys must include this, or a prefix computed under one adapter
-        would be served to another.
+        Part of the prefix cache's salt (engine/prefix_cache.py): a prefix computed under one adapter
+        (or version) is never served to another.
         """
         return None if self.lora is None else self.lora.key
 
