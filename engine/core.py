@@ -194,14 +194,16 @@ class EngineCore:
         del self._sequences[qid]
         self.loras.release(seq.lora)
         stream.finish()
+        # A stop string's tokens are not part of the answer: token_ids and usage count what `text` keeps.
+        output_ids = tuple(seq.output_ids[:stream.kept_tokens] if stream.stopped else seq.output_ids)
         return AnswerEvent(
             question_id=qid,
             request_id=question.request_id,
             error=ErrorInfo("internal_error", seq.error or "") if seq.status == Status.ERROR else None,
             text=stream.text,
-            token_ids=tuple(seq.output_ids),
+            token_ids=output_ids,
             finish_reason=seq.status.finish_reason,
-            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids)),
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids)),
             timings=_timings(seq),
             audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
                         steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 REPLACEMENT = "\ufffd"  # what a tokenizer prints for an unfinished UTF-8 sequence
 CONTEXT_TOKENS = 5  # earlier tokens decoded alongside the new ones, so leading spaces come out right
 
@@ -16,6 +18,7 @@ class TextStream:
         self.text = ""  # everything decoded so far, a stop string cut off
         self.emitted = 0  # chars of `text` already handed out
         self.stopped = False
+        self._ends: list[int] = []  # len(text) after each token, before any cut
         self._prefix = 0  # ids[_prefix:_read] were decoded last time, as context
         self._read = 0
 
@@ -23,13 +26,26 @@ class TextStream:
         self.ids.append(token_id)
         window = self._decode(self.ids[self._prefix :])
         if window.endswith(REPLACEMENT):  # wait for the rest of the character
+            self._ends.append(len(self.text))
             return ""
         previous = self._decode(self.ids[self._prefix : self._read])
         self.text += window[len(previous) :]
         self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
         self._read = len(self.ids)
+        self._ends.append(len(self.text))
         self._cut_stop_string(len(window) - len(previous))
         return self._take(final=self.stopped)
+
+    @property
+    def kept_tokens(self) -> int:
+        """How many of `ids` produced the text that is kept: all of them, until a stop string cuts.
+
+        After a cut, the tokens whose text lies wholly before the cut: the stop string's tokens, and one
+        that straddles the cut (" STOP" after "calm."), leave token_ids and completion_tokens.
+        """
+        if not self.stopped:
+            return len(self.ids)
+        return bisect.bisect_right(self._ends, len(self.text))
 
     def finish(self) -> str:
         """The rest of the text, once the question has ended."""
