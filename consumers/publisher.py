@@ -90,6 +90,11 @@ class Publisher:
                    (m.HEADER_DLQ_OFFSET, str(source.offset).encode())]
         await self._send(self.cfg.dlq_topic, key, value, headers, "dead_letters", settles=[source])
 
+    async def forward(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, partition: int,
+                      source: Position) -> None:
+        """A record re-published to a chosen partition (`kev route`); settles `source` once acked."""
+        await self._send(topic, key, value, headers, "forwarded", settles=[source], partition=partition)
+
     async def _answer(self, answer: AnswerEvent, source: Inbound) -> None:
         topic = self._reply_topic(source.question.reply_topic)
         key, headers = answer.question_id.encode(), _headers(answer.question_id, answer.request_id)
@@ -136,10 +141,11 @@ class Publisher:
         return requested
 
     async def _send(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, kind: str, *,
-                    settles: Sequence[Position] = (), question_id: str | None = None) -> None:
+                    settles: Sequence[Position] = (), question_id: str | None = None,
+                    partition: int | None = None) -> None:
         await self._slots.acquire()
         try:
-            delivery = await self.producer.send(topic, value=value, key=key, headers=headers)
+            delivery = await self.producer.send(topic, value=value, key=key, headers=headers, partition=partition)
         except BaseException:
             self._slots.release()
             raise
@@ -151,7 +157,7 @@ class Publisher:
             metadata = await delivery  # raises if the broker never acked: the source stays unsettled
         finally:
             self._slots.release()
-        self.counts[kind] += 1
+        self.counts[kind] = self.counts.get(kind, 0) + 1  # "forwarded" appears only in kev route
         if question_id is not None:
             settles += self.ledger.finish(question_id)
         if settles:

@@ -86,7 +86,7 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)
     metrics = Metrics(log_prompts=cfg.logging.log_prompts)
     metrics.watch_mailboxes(questions, answers)
-    async with metrics.endpoint(cfg.metrics.port), embedded_kafka(cfg.kafka) as kafka_cfg:
+    async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka) as kafka_cfg:
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options)
         metrics.watch_kafka(worker)
         supervisor = Supervisor("kev", [

@@ -33,8 +33,16 @@ class _Section(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
 
 class DeployConfig(_Section):
-    mode: Literal["single", "multi_gpu", "distributed"] = "single"
+    """single: this process is one worker. multi: a parent starts `workers` worker processes on this
+    host (one per GPU, or a share of the CPU cores each) and restarts crashed ones. distributed: one
+    worker per process on any number of hosts, joined through the consumer group (what single does)."""
+
+    mode: Literal["single", "multi", "distributed"] = "single"
     workers: Positive = 1
+    restart_backoff_s: Annotated[float, Meta(gt=0, le=300)] = 1.0  # doubles per fast crash, up to 60 s
+    fast_crash_s: Annotated[float, Meta(gt=0)] = 60.0  # a worker that dies sooner than this crashed "fast"
+    max_fast_crashes: Positive = 5  # in a row, for one worker: then the parent gives up and exits non-zero
+    pin_cpus: bool = True  # multi on CPU: os.sched_setaffinity each worker to its share of the cores
 
 
 class RouterConfig(_Section):
@@ -106,6 +114,7 @@ class KafkaConfig(_Section):
     answers_topic: str = "kev.answers"
     deltas_topic: str = "kev.answer-deltas"
     dlq_topic: str = "kev.questions.dlq"
+    intake_topic: str = "kev.questions.in"  # `kev route` reads here and re-publishes to questions_topic
     control_topic: str = "kev.control"
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
@@ -114,6 +123,7 @@ class KafkaConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    host: str = "127.0.0.1"  # "0.0.0.0" (or "::") for a scraper on another host or container
     port: Annotated[int, Meta(ge=0, le=65535)] = 9464  # 0 = off
 
 
