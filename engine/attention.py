@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.fixed_attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, LayerKV, padded_slots
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class TorchAttention:
         self.kv = kv
         self.deterministic = deterministic
         if deterministic:
-            check_fixed_attention(kv.k.shape[-1], kv.k.dtype, kv.group)
+            check_fixed_attention(kv.k.shape[-1], kv.compute_dtype, kv.group)
 
     def prepare(self, segments: list[Segment]) -> "TorchStep":
         return TorchStep(self, segments)
@@ -75,11 +75,12 @@ class TorchStep:
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
         # Single-token decodes attend together: chosen by role in deterministic mode (a generated
         # token always takes the decode path there), else by size.
-        decodes = [s for s in segments if (s.generated if self.deterministic else s.q_len == 1)]
+        is_decode = [(s.generated if self.deterministic else s.q_len == 1) for s in segments]
+        decodes = [s for s, d in zip(segments, is_decode) if d]
         self.decode = self._decode_group(decodes, device) if decodes else None
         # Prompt chunks attend per question; a chunk with no cached prefix can use its fresh keys,
         # except in deterministic mode, which always reads the cache.
-        self.prompts = [(seg, self._context(seg, device)) for seg in segments if seg not in decodes]
+        self.prompts = [(s, self._context(s, device)) for s, d in zip(segments, is_decode) if not d]
 
     def _decode_group(self, decodes: list[Segment], device):
         if not self.deterministic:
@@ -93,30 +94,31 @@ class TorchStep:
         return context_slots(seg.block_ids, seg.kv_len, self.kv.block_size).to(device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.index_copy_(0, self.slots, k)
-        v_cache.index_copy_(0, self.slots, v)
+        cache = self.kv.layers[layer]
+        # With an int8 cache the fresh keys come back as stored (quantised), so a prompt attending its
+        # fresh keys sees what a later chunk reading the cache would.
+        k, v = cache.write(self.slots, k, v)
         if self.decode is not None and not self.prompts:  # decodes only: rows are already in order
-            return self.decode.attend(q, k_cache, v_cache)
+            return self.decode.attend(q, cache)
         out = q.new_empty(q.shape)
         if self.decode is not None:
-            out[self.decode.rows] = self.decode.attend(q[self.decode.rows], k_cache, v_cache)
+            out[self.decode.rows] = self.decode.attend(q[self.decode.rows], cache)
         for seg, ctx in self.prompts:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
             if self.deterministic:
-                out[rows] = attend_prompt_tiles(q[rows], k_cache, v_cache, ctx, seg.cached)
+                out[rows] = attend_prompt_tiles(q[rows], cache, ctx, seg.cached)
             else:
-                out[rows] = _attend_segment(q[rows], k[rows], v[rows], k_cache, v_cache, ctx, seg)
+                out[rows] = _attend_segment(q[rows], k[rows], v[rows], cache, ctx, seg)
         return out
 
 
-def _attend_segment(q, k, v, k_cache, v_cache, ctx: torch.Tensor | None, seg: Segment) -> torch.Tensor:
+def _attend_segment(q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segment) -> torch.Tensor:
     """q: [L, H, D]. With no cached prefix the fresh keys suffice; otherwise read the question's slots."""
     if ctx is None:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              is_causal=True, enable_gqa=True)
         return out.transpose(0, 1)
-    keys, values = k_cache.index_select(0, ctx).transpose(0, 1), v_cache.index_select(0, ctx).transpose(0, 1)
+    keys, values = (t.transpose(0, 1) for t in cache.gather(ctx))
     # Row i sits at position cached + i and sees keys 0..cached + i: causal, offset by the cache.
     visible = torch.arange(seg.kv_len, device=q.device)[None, :] <= (
         torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
@@ -129,24 +131,18 @@ class _DecodeGroup:
 
     def __init__(self, segments: list[Segment], block_size: int, device: torch.device):
         longest = max(s.kv_len for s in segments)
-        slots = torch.zeros(len(segments), longest, dtype=torch.long)
-        for i, seg in enumerate(segments):
-            own = context_slots(seg.block_ids, seg.kv_len, block_size)
-            # Padding reads the row's own first slot, never another question's: a masked key weighs
-            # 0, but 0 * inf is NaN, so a neighbour's overflowed value must not even be read.
-            slots[i] = own[0]
-            slots[i, : seg.kv_len] = own
-        lengths = torch.tensor([s.kv_len for s in segments])
+        slots, visible = padded_slots(segments, block_size, longest)
         self.rows = torch.tensor([s.q_start for s in segments], device=device)
         self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing
         self.batch, self.longest = len(segments), longest
-        self.mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :].to(device)
+        self.mask = visible[:, None, None, :].to(device)
 
-    def attend(self, q, k_cache, v_cache) -> torch.Tensor:
+    def attend(self, q, cache: LayerKV) -> torch.Tensor:
         """q: [B, H, D], the decode rows only."""
         query = q[:, :, None, :]  # [B, H, 1, D]
-        shape = (self.batch, self.longest) + k_cache.shape[1:]
-        keys = k_cache.index_select(0, self.slots).view(shape).transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache.index_select(0, self.slots).view(shape).transpose(1, 2)
+        keys, values = cache.gather(self.slots)
+        shape = (self.batch, self.longest) + keys.shape[1:]
+        keys = keys.view(shape).transpose(1, 2)  # [B, KVH, L, D]
+        values = values.view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask, enable_gqa=True)
         return out[:, :, 0, :]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache import padded_slots
 from engine.tiles import ROW_TILE, check_items, pad_rows
 
 KEY_TILE = 64  # keys per tile
@@ -28,18 +29,19 @@ def check_fixed_attention(head_dim: int, dtype: torch.dtype, group: int) -> None
         check_items(rows, KEY_TILE, head_dim, dtype)
 
 
-def attend_prompt_tiles(q, k_cache, v_cache, ctx: torch.Tensor, cached: int) -> torch.Tensor:
+def attend_prompt_tiles(q, cache, ctx: torch.Tensor, cached: int) -> torch.Tensor:
     """One question's prompt rows q [L, H, D] at positions cached.., over its cache slots `ctx`.
 
     Queries in tiles of ROW_TILE rows, keys in tiles of KEY_TILE, combined with an online softmax
     (as flash attention does), tile by tile in key order.
     """
     rows, heads, dim = q.shape
-    group = heads // k_cache.shape[1]
+    group = heads // cache.kv_heads
     query = pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
     tiles = query.shape[1]
-    keys = pad_rows(k_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
-    values = pad_rows(v_cache.index_select(0, ctx), KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    k_rows, v_rows = cache.gather(ctx)  # dequantised per token when the cache is int8: row-local
+    keys = pad_rows(k_rows, KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    values = pad_rows(v_rows, KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
     positions = torch.arange(tiles * ROW_TILE, device=q.device).view(tiles, ROW_TILE, 1) + cached
     best = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), device=q.device, dtype=query.dtype)
     total = torch.zeros_like(best)
@@ -72,29 +74,23 @@ class FixedDecodes:
     def __init__(self, segments, block_size: int, device: torch.device):
         tiles = max(-(-seg.kv_len // KEY_TILE) for seg in segments)
         width = tiles * KEY_TILE
-        slots = torch.zeros(len(segments), width, dtype=torch.long)
-        for i, seg in enumerate(segments):
-            blocks = torch.tensor(seg.block_ids, dtype=torch.long)
-            own = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[: seg.kv_len]
-            slots[i] = own[0]  # padding reads the row's own first slot: finite, and masked anyway
-            slots[i, : seg.kv_len] = own
-        lengths = torch.tensor([seg.kv_len for seg in segments])
+        slots, visible = padded_slots(segments, block_size, width)  # padding: the row's own first slot
         self.rows = torch.tensor([seg.q_start for seg in segments], device=device)
         self.slots = slots.flatten().to(device)
         self.batch, self.tiles = len(segments), tiles
-        visible = torch.arange(width)[None, :] < lengths[:, None]
         self.hidden = (~visible).view(self.batch, 1, tiles, 1, KEY_TILE).to(device)
 
-    def attend(self, q, k_cache, v_cache) -> torch.Tensor:
+    def attend(self, q, cache) -> torch.Tensor:
         """q [B, H, D]: the decode rows only, in segment order."""
         batch, heads, dim = q.shape
-        kv_heads = k_cache.shape[1]
+        kv_heads = cache.kv_heads
         group = heads // kv_heads
         shape = (batch, self.tiles, KEY_TILE, kv_heads, dim)
+        k_rows, v_rows = cache.gather(self.slots)
         # Contiguous operands: a strided view could reach BLAS in another layout (another kernel) when
         # the batch happens to be of size one.
-        keys = k_cache.index_select(0, self.slots).view(shape).permute(0, 3, 1, 4, 2).contiguous()  # [B, KVH, T, D, KT]
-        values = v_cache.index_select(0, self.slots).view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
+        keys = k_rows.view(shape).permute(0, 3, 1, 4, 2).contiguous()  # [B, KVH, T, D, KT]
+        values = v_rows.view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
         query = (q * dim**-0.5).view(batch, kv_heads, 1, group, dim).expand(-1, -1, self.tiles, -1, -1).contiguous()
         scores = torch.matmul(query, keys).masked_fill(self.hidden, float("-inf"))  # [B, KVH, T, group, KEY_TILE]
         best = scores.amax(dim=(2, 4), keepdim=True)  # finite: key 0 is always visible

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.quant import Int8Weight
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
@@ -19,5 +21,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); `weight` is a tensor or an Int8Weight (weight-only int8)."""
+    if isinstance(weight, Int8Weight):
+        return weight.linear(x, bias)
     return F.linear(x, weight, bias)
+
+
+def embed(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of an embedding table, a tensor or an Int8Weight (dequantised on lookup)."""
+    return table.rows(ids) if isinstance(table, Int8Weight) else table[ids]

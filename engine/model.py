@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_features import compute_dtype
 from engine.loader import resolve_model_dir
 from engine.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_FORMATS = ("full", "int8")  # full: stored in the compute dtype; int8: weight-only int8
 
 
 class UnsupportedModel(ValueError):
@@ -38,7 +40,10 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Cache bytes per token for a storage dtype (int8 includes its per-head scales)."""
+        from engine.kv_cache import kv_bytes_per_token
+
+        return kv_bytes_per_token(self, dtype)
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Model:
     dtype: torch.dtype
     path: Path
     hf_config: object
+    weight_format: str = "full"  # full | int8
 
     @property
     def name(self) -> str:
@@ -57,19 +63,26 @@ class Model:
 
 
 def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | torch.dtype | None = None,
-               deterministic: bool = False) -> Model:
-    """Load an HF directory, a .gguf file or a built-in name (e.g. "smollm2-135m-instruct")."""
+               weights: str | None = None, deterministic: bool = False) -> Model:
+    """Load an HF directory, a .gguf file or a built-in name (e.g. "smollm2-135m-instruct").
+
+    `dtype`: fp32 | bf16 | fp16 compute and storage dtype (bf16 on a CPU without bf16 instructions
+    falls back to fp32, logged). `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model_dir(source)
     config = AutoConfig.from_pretrained(path)
     spec = spec_from_config(config)
     device_ = pick_device(device)
-    dtype_ = pick_dtype(dtype, device_)
-    weights = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
-                                           deterministic=deterministic)
+    dtype_ = compute_dtype(pick_dtype(dtype, device_), device_)
+    weight_format = weights or "full"
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
+                                            deterministic=deterministic, int8=weight_format == "int8")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Model(spec, weights, tokenizer, device_, dtype_, path, config)
+    return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)
 
 
 def spec_from_config(config) -> ModelSpec:

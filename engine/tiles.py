@@ -14,6 +14,8 @@ from __future__ import annotations
 import structlog
 import torch
 
+from engine.quant import Int8Weight
+
 log = structlog.get_logger("kev.tiles")
 
 ROW_TILE = 16  # rows of every deterministic matmul tile
@@ -36,8 +38,13 @@ def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in fixed row tiles (deterministic mode)."""
+    if isinstance(weight, Int8Weight):
+        # The int8 kernel takes no batch of tiles: one call per tile, each of the same shape.
+        tiles = pad_rows(x, ROW_TILE).split(ROW_TILE)
+        out = torch.cat([weight.linear(tile) for tile in tiles])[: x.shape[0]]
+        return out + bias if bias is not None else out
     out = tiled_matmul(x, weight.t())
     return out + bias if bias is not None else out
 
@@ -57,9 +64,25 @@ class TileCheck:
     _done: set[tuple] = set()
 
     @classmethod
-    def weights(cls, matrices: list[torch.Tensor]) -> None:
+    def weights(cls, matrices: list) -> None:
         for weight in matrices:
-            cls.right(weight.t())
+            if isinstance(weight, Int8Weight):
+                cls.int8(weight)
+            else:
+                cls.right(weight.t())
+
+    @classmethod
+    def int8(cls, weight: Int8Weight) -> None:
+        """One call per tile is always issued with ROW_TILE rows; a row's neighbours and its place in
+        the tile must still not matter. If they do, deterministic mode cannot hold: refuse."""
+        key = ("int8", tuple(weight.shape), torch.get_num_threads())
+        if key in cls._done:
+            return
+        if not _int8_invariant(weight):
+            raise NotDeterministic(f"the int8 weight kernel is not row-invariant on this CPU (shape "
+                                   f"{list(weight.shape)}): isolation.deterministic cannot be combined with "
+                                   "core.weights: int8 here")
+        cls._done.add(key)
 
     @classmethod
     def right(cls, right: torch.Tensor) -> None:
@@ -71,6 +94,21 @@ class TileCheck:
             _LOOPED.add(_key(right))
             log.warning("deterministic.tile_fallback", shape=list(right.shape), threads=torch.get_num_threads(),
                         reason="batched tiles are not bitwise invariant on this CPU; one call per tile")
+
+
+class NotDeterministic(ValueError):
+    """A precision whose kernels cannot be made batch-invariant on this CPU."""
+
+
+def _int8_invariant(weight: Int8Weight) -> bool:
+    generator = torch.Generator().manual_seed(2)
+    tile = torch.randn(ROW_TILE, weight.shape[1], generator=generator).to(weight.dtype)
+    alone = weight.linear(tile)
+    others = torch.randn(ROW_TILE, weight.shape[1], generator=generator).to(weight.dtype)
+    order = torch.randperm(ROW_TILE, generator=generator)
+    mixed = torch.cat([tile[:3], others[3:]])
+    return (torch.equal(weight.linear(tile[order]), alone[order])
+            and torch.equal(weight.linear(mixed)[:3], alone[:3]))
 
 
 def check_items(rows: int, inner: int, cols: int, dtype: torch.dtype) -> bool:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import apply_rope, linear, rms_norm
+from engine.layers import apply_rope, embed, linear, rms_norm
+from engine.quant import Int8Weight
 from engine.tiles import TileCheck, tiled_linear
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections fused into one matmul
+    qkv: torch.Tensor | Int8Weight  # q, k and v projections fused into one matmul
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -57,13 +58,36 @@ class Transformer:
         if on:  # prove the fixed tiles batch-invariant on this CPU before relying on them
             TileCheck.weights(self.matrices())
 
-    def matrices(self) -> list[torch.Tensor]:
-        """Every weight matrix a forward multiplies by."""
+    def matrices(self) -> list:
+        """Every weight matrix a forward multiplies by (tensors, or Int8Weight when quantised)."""
         per_layer = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         return per_layer + [self.lm_head]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights held (the tied embedding/output matrix once)."""
+        seen, total = set(), 0
+        tensors = [self.embed, self.final_norm, self.lm_head] + [
+            t for layer in self.layers for t in vars(layer).values() if t is not None]
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.nbytes
+        return total
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every matmul and the embedding table (the biggest matrix: tied to the
+        output head in small models). Norms, biases and rotary tables stay in the compute dtype."""
+        tied = self.lm_head is self.embed
+        for layer in self.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                setattr(layer, name, Int8Weight(getattr(layer, name)))
+        self.embed = Int8Weight(self.embed)
+        self.lm_head = self.embed if tied else Int8Weight(self.lm_head)
+
     @classmethod
-    def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False) -> "Transformer":
+    def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False,
+                         int8: bool = False) -> "Transformer":
         from safetensors.torch import load_file
 
         raw: dict[str, torch.Tensor] = {}
@@ -71,11 +95,11 @@ class Transformer:
             raw.update(load_file(str(file)))
         if not raw:
             raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic)
+        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic, int8)
 
     @classmethod
     def from_state_dict(cls, spec, raw: dict[str, torch.Tensor], rope, device, dtype,
-                        deterministic=False) -> "Transformer":
+                        deterministic=False, int8: bool = False) -> "Transformer":
         def get(name: str) -> torch.Tensor:
             if name not in raw:
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
@@ -85,7 +109,11 @@ class Transformer:
         embed = get("model.embed_tokens.weight")
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
         cos, sin = (t.to(device=device, dtype=dtype) for t in rope)
-        return cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin), deterministic)
+        model = cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin))
+        if int8:
+            model.quantize_int8()
+        model.set_deterministic(deterministic)  # after quantising: the tile check sees the real kernels
+        return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
                 lora: LoraBatch | None = None) -> torch.Tensor:
@@ -94,7 +122,7 @@ class Transformer:
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
         cos, sin = self.cos[positions], self.sin[positions]
-        hidden = self.embed[input_ids]
+        hidden = embed(self.embed, input_ids)
         for index, layer in enumerate(self.layers):
             hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend, lora)
             hidden = hidden + self._mlp(index, layer, hidden, lora)

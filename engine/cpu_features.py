@@ -1,0 +1,45 @@
+"""What this CPU can do fast, read from /proc/cpuinfo flags (never from the CPU's name).
+
+bf16 matmuls are fast only where the ISA has bf16 dot products: AVX-512 BF16 (AMD Zen 4 and later,
+Intel Cooper Lake) or AMX (Intel Sapphire Rapids and later). Elsewhere oneDNN emulates bf16 and is
+slower than fp32, so a requested bf16 falls back to fp32 with one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("kev.cpu")
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's flags; empty where /proc/cpuinfo is missing (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def has_fast_bf16() -> bool:
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to run in: bf16 on a CPU without bf16 instructions falls back to fp32, logged once."""
+    if dtype is not torch.bfloat16 or device.type != "cpu" or has_fast_bf16():
+        return dtype
+    log.warning("precision.bf16_fallback", requested="bf16", using="fp32",
+                reason=f"this CPU has none of the flags {', '.join(BF16_FLAGS)}: bf16 would be emulated "
+                       "and slower than fp32")
+    return torch.float32
