@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "them in packed forwards, publish answers to kafka.answers_topic and commit offsets after "
                     "the broker acks each outcome. bootstrap_servers 'embedded' (the default) starts the "
                     "bundled Tansu broker on a free loopback port. SIGINT/SIGTERM: stop intake, drain, commit, "
-                    "exit 0; a second signal exits at once. Runs on anyio's asyncio backend (aiokafka).")
+                    "exit 0; a second signal exits at once. Runs on anyio's asyncio backend (aiokafka). "
+                    "deploy.mode multi: start deploy.workers such workers on this host (one per GPU, or a share "
+                    "of the cores each) and restart any that crash.")
     add_config_and_model(serve)
     serve.add_argument("--bootstrap-servers", default=None, help="HOST:PORT[,HOST:PORT] or 'embedded'")
     serve.add_argument("--drain-deadline", type=float, default=30.0, help="seconds to finish in-flight work on stop")
@@ -29,5 +31,29 @@ def _serve(args: argparse.Namespace) -> int:
     from kev_async.runtime.lifecycle import run_service
 
     cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
+    if cfg.deploy.mode == "multi":
+        return _serve_multi(cfg, args)
     return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=args.drain_deadline),
                      backend="asyncio")
+
+
+def _serve_multi(cfg, args: argparse.Namespace) -> int:
+    """deploy.mode multi: this process supervises deploy.workers `kev serve` children (kev_async/deploy.py)."""
+    import sys
+
+    from kev_async.deploy import CrashLoop, run_multi
+    from kev_async.runtime.lifecycle import run_service
+
+    serve_args = [*(["--config", args.config] if args.config else []), *(["--model", args.model] if args.model else [])]
+    multi = partial(run_multi, cfg, serve_args=serve_args, drain_deadline=args.drain_deadline)
+    try:
+        # The children drain within their own deadline; the parent waits for them a little longer.
+        return anyio.run(partial(run_service, multi, drain_deadline=args.drain_deadline + 15), backend="asyncio")
+    except BaseExceptionGroup as group:  # task groups wrap what run_multi raises
+        crashed, rest = group.split(CrashLoop)
+        if crashed is None or rest is not None:
+            raise
+        while isinstance(crashed, BaseExceptionGroup):
+            crashed = crashed.exceptions[0]
+        print(f"kev serve: {crashed}", file=sys.stderr)
+        return 1
