@@ -1,0 +1,205 @@
+"""`kev bench load`: an open-loop load benchmark. One seeded arrival trace, replayed against each system
+one after another in this process; per system goodput, TTFT and end-to-end percentiles, and answers
+token-identical to a solo greedy run. A table per rate, a JSON result and a latency-vs-rate plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DESCRIPTION = """\
+Open-loop load: questions arrive by a Poisson process at --rate questions/s (or all at once with
+--rate inf), whatever the system is doing, and each question's latency counts from its arrival.
+The questions mix short ones with long ones (notes of up to --max-prompt-tokens tokens plus a task),
+with answer budgets spread log-uniformly from --min-new-tokens to --max-new-tokens; greedy, stopping at
+EOS. The same seed gives the same questions at every rate; a sweep (--rates) only rescales the gaps.
+
+Systems, each on the same trace, one after another:
+  kev engine        Kev's async Engine in process, tokens streamed (TTFT = first streamed text)
+  transformers      generate() with static batches: a batch starts when --hf-batch-sizes questions wait or
+                    the oldest has waited --hf-batch-timeout s; nothing joins until it ends. Every size is
+                    run; the one with the best goodput is reported (the others are printed and in the JSON)
+  kev via kafka     with --via-kafka: the embedded broker and an in-process `kev serve` worker
+  openai-compatible with --compare-url: any server with streaming /v1/chat/completions (--compare-api chat)
+                    or /v1/completions with the prompt as Kev's token ids (--compare-api completions)
+
+Reported per system: goodput (tokens of completed answers / wall time from the first arrival to the last
+answer), TTFT p50/p99, end-to-end p50/p99 (s), and how many answers equal Kev's answer to the same
+question asked alone (batch size 1, greedy; cached next to the JSON). Servers that stream only text are
+compared on text.
+"""
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    load = kinds.add_parser("load", help="open-loop load: Poisson arrivals against Kev, transformers static "
+                                         "batching and any OpenAI-compatible server",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    load.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf or built-in name")
+    _add_trace_flags(load.add_argument_group("the trace"))
+    _add_system_flags(load.add_argument_group("the systems"))
+    _add_engine_flags(load.add_argument_group("engine options (passed to load_model / EngineOptions)"))
+    out = load.add_argument_group("output")
+    out.add_argument("--output-json", default=".cache/bench/load.json",
+                     help="the JSON result (default .cache/bench/load.json; the solo reference cache is written "
+                          "next to it)")
+    out.add_argument("--plot", default="docs/load.png", help="latency and goodput vs rate ('' = no plot)")
+    out.add_argument("--no-reference", action="store_true", help="skip the solo greedy reference (no identity "
+                                                                 "column; saves one sequential pass)")
+    load.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
+    load.set_defaults(func=_cli)
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (questions/s, or inf)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be above 0, not {text}")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    return [_rate(part) for part in text.split(",") if part.strip()]
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes like 4,8,16,32") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be 1 or more")
+    return sizes
+
+
+def _add_trace_flags(group) -> None:
+    group.add_argument("--rate", type=_rate, default=1.0, help="offered load, questions/s; 'inf' = all at once "
+                                                                "(default 1)")
+    group.add_argument("--rates", type=_rates, default=None, help="a sweep, e.g. 0.5,1,2,4 (overrides --rate)")
+    count = group.add_mutually_exclusive_group()
+    count.add_argument("--questions", type=int, default=None, help="questions in the trace (default 256)")
+    count.add_argument("--duration", type=float, default=None, help="instead: arrivals for this many seconds")
+    group.add_argument("--seed", type=int, default=0, help="same seed, same questions and arrival draws")
+    group.add_argument("--max-new-tokens", type=int, default=128, help="the largest answer budget (default 128)")
+    group.add_argument("--min-new-tokens", type=int, default=4, help="the smallest answer budget (default 4)")
+    group.add_argument("--long-fraction", type=float, default=0.4, help="share of questions with long notes "
+                                                                        "(default 0.4)")
+    group.add_argument("--max-prompt-tokens", type=int, default=1000, help="longest notes, in tokens (default 1000)")
+    group.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                       help="every question starts with one common system prompt of N tokens (default 0); "
+                            "whether Kev reuses it is --isolation's choice")
+
+
+def _add_system_flags(group) -> None:
+    group.add_argument("--no-static", action="store_true", help="skip transformers static batching")
+    group.add_argument("--hf-batch-sizes", type=_sizes, default=[4, 8, 16, 32],
+                       help="static batch sizes to try (default 4,8,16,32)")
+    group.add_argument("--hf-batch-timeout", type=float, default=0.5,
+                       help="s the oldest waiting question waits for a full batch (default 0.5)")
+    group.add_argument("--via-kafka", action="store_true", help="also Kev through the embedded broker")
+    group.add_argument("--compare-url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8080")
+    group.add_argument("--compare-api", choices=("chat", "completions"), default="chat",
+                       help="chat: messages to /v1/chat/completions; completions: Kev's prompt token ids to "
+                            "/v1/completions (default chat)")
+    group.add_argument("--compare-api-key", default=os.environ.get("OPENAI_API_KEY"),
+                       help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)")
+    group.add_argument("--compare-model", default=None, help="model name to send (default: the first of /v1/models)")
+    group.add_argument("--compare-body", default=None, metavar="JSON",
+                       help='extra fields for every request, e.g. \'{"cache_prompt": false}\' for llama-server')
+
+
+def _add_engine_flags(group) -> None:
+    group.add_argument("--kev-batch-size", type=int, default=32, help="Kev's max_batch_size (default 32)")
+    group.add_argument("--kv-mib", type=int, default=None, help="Kev's KV pool budget in MiB (default: the engine's)")
+    group.add_argument("--dtype", default=None, help="weights/activations precision for load_model, e.g. fp32, bf16")
+    group.add_argument("--weights", default=None, help="weight quantisation, e.g. int8 (where Kev has it)")
+    group.add_argument("--kv-dtype", default=None, help="KV cache precision, e.g. int8 (where Kev has it)")
+    group.add_argument("--isolation", choices=("strict", "shared"), default="strict",
+                       help="shared: Kev reuses cached full prompt blocks (prefix cache, EngineOptions."
+                            "prefix_caching); pair it with --shared-prefix (default strict)")
+
+
+class LoadBenchError(RuntimeError):
+    """A setting `kev bench load` cannot run with; printed as one line, exit 2."""
+
+
+def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
+    """--dtype/--weights/--kv-dtype go to whichever of load_model and EngineOptions takes them."""
+    import dataclasses
+    import inspect
+
+    from engine import EngineOptions, load_model
+
+    load_params = inspect.signature(load_model).parameters
+    option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
+    if args.kv_mib:
+        option_kwargs["kv_budget_bytes"] = args.kv_mib << 20
+    if args.isolation == "shared":
+        if "prefix_caching" not in option_fields:
+            raise LoadBenchError("--isolation shared: this Kev has no prefix cache (EngineOptions.prefix_caching)")
+        option_kwargs["prefix_caching"] = True
+    for name in ("dtype", "weights", "kv_dtype"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if name in load_params:
+            load_kwargs[name] = value
+        elif name in option_fields:
+            option_kwargs[name] = value
+        else:
+            raise LoadBenchError(f"--{name.replace('_', '-')} {value}: this Kev has no `{name}` option yet "
+                                 "(neither load_model nor EngineOptions takes it)")
+    return load_kwargs, option_kwargs
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        run_load(args)
+    except LoadBenchError as exc:
+        print(f"kev bench load: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_load(args: argparse.Namespace, out=print) -> dict:
+    from kev_async.bench.load_http import CompareUrlError
+    from kev_async.bench.load_run import LoadRun
+
+    if args.duration is not None and args.duration <= 0:
+        raise LoadBenchError("--duration must be above 0")
+    if args.questions is not None and args.questions < 1:
+        raise LoadBenchError("--questions must be 1 or more")
+    if args.min_new_tokens > args.max_new_tokens:
+        raise LoadBenchError("--min-new-tokens is above --max-new-tokens")
+    try:
+        return LoadRun(args, engine_knobs(args), out).run()
+    except (CompareUrlError, ValueError) as exc:
+        raise LoadBenchError(str(exc)) from None
+
+
+def cpu_name() -> str:
+    """The CPU model and the flags that decide reduced-precision speed."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name} ({', '.join(wanted) or 'no avx512'})"
+
+
+def write_json(result: dict, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result, indent=1, default=str))
+
+
+def stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")

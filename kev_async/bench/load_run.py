@@ -1,0 +1,155 @@
+"""One `kev bench load` invocation: for each offered rate, the trace against each system, then the
+table, the JSON result and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from kev_async.bench.load_report import SystemRun, outcomes_json, ratios, summarize, table
+from kev_async.bench.load_trace import MixSpec, TraceQuestion, build_trace
+
+KEV = "kev engine"
+
+
+class LoadRun:
+    def __init__(self, args: argparse.Namespace, knobs: tuple[dict, dict], out=print):
+        self.args, self.out = args, out
+        self.load_kwargs, self.option_kwargs = knobs
+        self.rates = args.rates or [args.rate]
+        self.extra_body = _json_object(args.compare_body) if args.compare_body else None
+        if args.compare_url:
+            from kev_async.bench.load_http import probe
+
+            probe(args.compare_url)  # a bad URL fails now, not after minutes of the other systems
+
+    def run(self) -> dict:
+        from engine import EngineOptions, load_model
+        from kev_async.bench.load import cpu_name, stamp, write_json
+        from kev_async.settings import set_threads
+
+        import torch
+
+        set_threads(self.args.threads)
+        self.model = load_model(self.args.model, **self.load_kwargs)
+        self.options = EngineOptions(**self.option_kwargs)
+        self.hf = None
+        result = {"when": stamp(), "cpu": cpu_name(), "torch_threads": torch.get_num_threads(),
+                  "model": self.model.name, "dtype": str(self.model.dtype), "engine_options": self.option_kwargs,
+                  "args": {k: v for k, v in vars(self.args).items() if k != "func"}, "points": [], "static_sweep": [],
+                  "traces": [], "outcomes": []}
+        self.out(f"model {self.model.name} ({self.model.dtype}), {result['cpu']}, torch threads "
+                 f"{result['torch_threads']}")
+        for rate in self.rates:
+            self._one_rate(rate, result)
+        write_json(result, self.args.output_json)
+        self.out(f"result written to {self.args.output_json}")
+        self._plot(result)
+        return result
+
+    def _one_rate(self, rate: float, result: dict) -> None:
+        trace = self._trace(rate)
+        stats = trace_stats(self.model, trace)
+        self.out(f"\n== rate {_rate_text(rate)} questions/s: {stats['questions']} questions over "
+                 f"{stats['arrival_span_s']:.1f} s, prompt tokens mean {stats['prompt_tokens_mean']:.0f} max "
+                 f"{stats['prompt_tokens_max']}, budgets mean {stats['budget_mean']:.0f} max {stats['budget_max']}")
+        reference = self._reference(trace)
+        summaries = []
+        for run in self._systems(trace, reference, result, rate):
+            summary = {"rate": _rate_value(rate), **summarize(run, reference)}
+            summaries.append(summary)
+            result["outcomes"].append({"rate": _rate_value(rate), "system": run.name, "questions": outcomes_json(run)})
+        self.out(table(summaries))
+        for summary in summaries:
+            if summary["system"] != KEV:
+                line = ratios(summaries, KEV, summary["system"])
+                if line:
+                    self.out(line)
+        result["points"] += summaries
+        result["traces"].append({"rate": _rate_value(rate), **stats})
+
+    def _trace(self, rate: float) -> list[TraceQuestion]:
+        a = self.args
+        spec = MixSpec(max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, long_fraction=a.long_fraction,
+                       max_prompt_tokens=a.max_prompt_tokens, shared_prefix_tokens=a.shared_prefix)
+        count = a.questions if a.questions is not None or a.duration is not None else 256
+        return build_trace(self.model.tokenizer, rate=rate, seed=a.seed, spec=spec,
+                           count=None if a.duration is not None else count, duration_s=a.duration)
+
+    def _reference(self, trace):
+        if self.args.no_reference:
+            return None
+        from kev_async.bench.load_systems import solo_reference
+
+        cache = Path(self.args.output_json).with_name("load-solo-reference.json")
+        return solo_reference(self.model, self.options, trace, cache, out=self.out)
+
+    def _systems(self, trace, reference, result: dict, rate: float):
+        """Each system in turn, the same trace; yields SystemRuns."""
+        from kev_async.bench import load_systems
+
+        self.out("running: kev engine")
+        yield load_systems.run_engine(self.model, self.options, trace)
+        if not self.args.no_static:
+            from kev_async.bench.load_static import best_static, hf_model
+
+            self.out(f"running: transformers static batching, sizes {self.args.hf_batch_sizes}")
+            self.hf = self.hf or hf_model(self.model)
+            best, sweep = best_static(self.hf, self.model, trace, self.args.hf_batch_sizes, self.args.hf_batch_timeout,
+                                      lambda run: summarize(run, reference), out=self.out)
+            result["static_sweep"] += [{"rate": _rate_value(rate), **s} for s in sweep]
+            yield best
+        if self.args.via_kafka:
+            self.out("running: kev via kafka (embedded broker, in-process worker)")
+            yield load_systems.run_kafka(self.model, self.options, trace)
+        if self.args.compare_url:
+            from kev_async.bench.load_http import run_openai
+
+            self.out(f"running: {self.args.compare_url} ({self.args.compare_api})")
+            yield run_openai(self.args.compare_url, self.model, trace, api=self.args.compare_api,
+                             served_model=self.args.compare_model, extra_body=self.extra_body,
+                             api_key=self.args.compare_api_key)
+
+    def _plot(self, result: dict) -> None:
+        if not self.args.plot:
+            return
+        from kev_async.bench.load_plot import plot_load
+
+        points = [{**p, "rate": float(p["rate"])} for p in result["points"]]
+        title = (f"{result['model']} ({result['dtype']}), {result['cpu']}, {result['torch_threads']} threads; "
+                 f"<= {self.args.max_new_tokens} new tokens, greedy")
+        Path(self.args.plot).parent.mkdir(parents=True, exist_ok=True)
+        if plot_load(points, self.args.plot, title):
+            self.out(f"plot written to {self.args.plot}")
+
+
+def trace_stats(model, trace: list[TraceQuestion]) -> dict:
+    from kev_async.bench.load_static import prompt_ids
+
+    lengths = [len(prompt_ids(model, q)) for q in trace]
+    return {"questions": len(trace), "arrival_span_s": trace[-1].arrival_s - trace[0].arrival_s,
+            "long_questions": sum(q.kind == "long" for q in trace),
+            "prompt_tokens_mean": statistics.mean(lengths), "prompt_tokens_max": max(lengths),
+            "budget_mean": statistics.mean(q.max_new_tokens for q in trace),
+            "budget_max": max(q.max_new_tokens for q in trace)}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--compare-body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--compare-body must be a JSON object")
+    return value
+
+
+def _rate_value(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def _rate_text(rate: float) -> str:
+    return "inf (all at once)" if math.isinf(rate) else f"{rate:g}"
