@@ -18,7 +18,7 @@ from engine.block_pool import BlockPool
 from engine.defaults import DefaultsRegistry
 from engine.detokenizer import TextStream
 from engine.flash import FlashAttention, flash_available
-from engine.kv_cache import KVCache, plan_num_blocks
+from engine.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from engine.adapter_pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.adapters import AdapterError, LoraAdapter
 from engine.options import EngineOptions
@@ -59,14 +59,16 @@ class EngineCore:
         options = options or EngineOptions()
         self.model = model
         self.options = options
-        if attention is None and flash_available(model.device):
+        kv_dtype = cache_dtype(options.kv_dtype, model.dtype)
+        # flash-attn reads its cache raw; an int8 cache is read (dequantised) by the torch backend.
+        if attention is None and flash_available(model.device) and options.kv_dtype != "int8":
             attention = FlashAttention
         self.block_size = _block_size(options, attention)
-        num_blocks = plan_num_blocks(model.spec, model.dtype, model.device, self.block_size,
+        num_blocks = plan_num_blocks(model.spec, kv_dtype, model.device, self.block_size,
                                      num_blocks=options.num_blocks, budget_bytes=options.kv_budget_bytes,
                                      memory_fraction=options.memory_fraction)
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.kv = KVCache(model.spec, num_blocks, self.block_size, model.dtype, model.device)
+        self.kv = KVCache(model.spec, num_blocks, self.block_size, kv_dtype, model.device, model.dtype)
         # Each engine gets its own view of the shared weights: its deterministic mode is its own.
         weights = copy.copy(model.weights)
         weights.set_deterministic(options.deterministic)

@@ -24,6 +24,7 @@ class EngineOptions:
     length_aware: bool = False
     early_stop: bool = True  # evict a finished question the step it ends
     deterministic: bool = False  # bitwise-identical logits whatever shares the forward (slower)
+    kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | int8 (per token and head scales)
     audit: bool = False  # log a `forward.mask` summary per forward
     debug: bool = False  # add the token-level routing table to each summary
     max_loras: int = 8  # LoRA adapters resident at once; idle ones are evicted least recently used first
@@ -56,6 +57,7 @@ class EngineOptions:
             length_aware=cfg.scheduler.length_aware_grouping,
             early_stop=cfg.scheduler.early_stop,
             deterministic=cfg.isolation.deterministic,
+            kv_dtype=cfg.kv_cache.dtype,
             audit=cfg.isolation.debug or cfg.logging.level == "debug",
             debug=cfg.isolation.debug,
             worker=worker,

@@ -80,7 +80,8 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     group_options = consumer_options(cfg.kafka.bootstrap_servers == EMBEDDED, embedded_options)
     if model is None:
         model = await anyio.to_thread.run_sync(
-            partial(load_model, cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision))
+            partial(load_model, cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
+                    weights=cfg.core.weights))
     options = EngineOptions.from_config(cfg, worker=name)
     capacity = 2 * cfg.router.max_parallel_queries
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)

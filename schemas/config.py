@@ -66,11 +66,13 @@ class KvCacheConfig(_Section):
     num_blocks: Positive | None = None
     memory_budget_bytes: Positive | None = None
     memory_fraction: Fraction = 0.5
+    dtype: Literal["auto", "int8"] = "auto"  # auto: the model's precision; int8: ~4x the tokens per byte
 
 
 class CoreConfig(_Section):
     model_path: str = "smollm2-135m-instruct"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 on a CPU without bf16 instructions: fp32, logged
+    weights: Literal["full", "int8"] = "full"  # int8: weight-only int8 matmuls, per-output-channel scales
     max_context: Annotated[int, Meta(ge=16)] = 2048
     device: str = "auto"
     threads: Positive | None = None
