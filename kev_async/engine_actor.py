@@ -123,7 +123,8 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
             await actor.answer_abandoned()
             raise
     await outbox.aclose()
-    log.info("engine_actor.stopped", device=device)
+    pool = engine.core.pool  # every question has ended: all blocks should be free again (the drill checks)
+    log.info("engine_actor.stopped", device=device, kv_blocks_free=pool.num_free, kv_blocks_total=pool.num_blocks)
 
 
 class _SchedulerActor:

@@ -17,7 +17,7 @@ DESCRIPTION = """\
 Kev answers many independent questions with one language model, one packed forward pass per step.
 Questions and answers are Kafka events; no answer depends on the questions that shared its pass."""
 
-COMMANDS: tuple[str, ...] = ("serve", "route", "gateway", "demo", "ask", "bench", "audit", "model", "top",
+COMMANDS: tuple[str, ...] = ("serve", "route", "gateway", "demo", "drill", "ask", "bench", "audit", "model", "top",
                              "config", "version")
 
 

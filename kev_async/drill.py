@@ -1,0 +1,235 @@
+"""`kev drill`: a fault drill on the embedded broker with real `kev serve` processes.
+
+Questions arrive over time while N workers (one consumer group) answer them; mid-stream one worker
+is SIGKILLed, a new one is started, another is stopped with SIGTERM. Then the run is checked
+(kev_async/drill_checks.py): every question has exactly one final answer (redelivery duplicates
+counted and required identical: the workers run deterministic mode), no offset was committed before
+its answer was acked, and every worker that stopped gracefully left its KV pool all free.
+
+The broker restart step is skipped: the bundled Tansu keeps data in memory only (its storage
+engines here are memory:// and s3://), so a restart would lose the topics and the committed offsets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from consumers import EmbeddedBroker, create_topics, topic_plan
+from kev_async.bench.questions import QUESTIONS
+from kev_async.deploy import cpu_share
+from kev_async.drill_checks import DrillResult, check_run, log_events
+from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
+
+BROKER_RESTART_SKIPPED = ("skipped: the bundled Tansu stores in memory only (storage engines memory:// and s3://; "
+                          "sqlite/postgres are not compiled in), so a restart would lose topics and offsets")
+
+
+@dataclass
+class DrillOptions:
+    questions: int = 400
+    workers: int = 3
+    partitions: int = 6
+    max_new_tokens: int = 16
+    spread_s: float = 60.0  # questions arrive evenly over this long
+    model: str = "smollm2-135m-instruct"
+    workdir: Path = Path("kev-drill")
+    faults: bool = True  # False: a plain throughput run (the scaling table)
+    pin: bool = False  # pin worker i to its share of the cores (one core each when workers <= cores)
+    startup_timeout_s: float = 180.0
+    answer_timeout_s: float = 600.0
+
+
+@dataclass
+class _Worker:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    fate: str = "running"  # running | killed | terminated
+
+    def log(self) -> str:
+        return self.log_path.read_text("utf-8", "replace")
+
+
+@dataclass
+class _Run:
+    kafka: KafkaConfig
+    options: DrillOptions
+    workers: list[_Worker] = field(default_factory=list)
+    sent: dict[str, tuple[int, int]] = field(default_factory=dict)  # question_id -> (partition, offset)
+    answers: list = field(default_factory=list)  # (AnswerEvent, record)
+    timeline: list[str] = field(default_factory=list)
+    started: float = 0.0
+
+    def note(self, text: str, out) -> None:
+        line = f"[{time.monotonic() - self.started:6.1f}s] {text}"
+        self.timeline.append(line)
+        out(line)
+
+    def answered(self) -> set[str]:
+        return {answer.question_id for answer, _ in self.answers}
+
+
+async def run_drill(options: DrillOptions, out=print) -> DrillResult:
+    options.workdir.mkdir(parents=True, exist_ok=True)
+    async with EmbeddedBroker() as broker:
+        kafka = KafkaConfig(bootstrap_servers=broker.bootstrap_servers, group_id="kev-drill",
+                            partitions=options.partitions, commit_interval_ms=200)
+        await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+        run = _Run(kafka, options, started=time.monotonic())
+        try:
+            await _drill(run, out)
+        finally:
+            for worker in run.workers:
+                if worker.process.poll() is None:
+                    worker.process.kill()
+                    worker.process.wait()
+        committed = await _committed(kafka)
+    logs = {w.name: (w.fate, w.process.returncode, w.log()) for w in run.workers}
+    result = check_run(run.sent, run.answers, logs, committed, kafka.questions_topic)
+    result.timeline = run.timeline
+    result.broker_restart = BROKER_RESTART_SKIPPED if options.faults else "not attempted (no faults)"
+    return result
+
+
+async def _drill(run: _Run, out) -> None:
+    options = run.options
+    for _ in range(options.workers):
+        _spawn(run, out)
+    with anyio.fail_after(options.startup_timeout_s):
+        while not all(log_events(w.log(), "partitions_assigned") for w in run.workers):
+            _assert_alive(run)
+            await anyio.sleep(0.2)
+    run.note(f"{options.workers} workers in group {run.kafka.group_id}", out)
+    async with anyio.create_task_group() as tg:
+        await tg.start(_read_answers, run)
+        tg.start_soon(_publish_over_time, run, out)
+        if options.faults:
+            await _faults(run, out)
+        with anyio.fail_after(options.answer_timeout_s):
+            while len(run.sent) < options.questions or not set(run.sent) <= run.answered():
+                await anyio.sleep(0.2)
+        run.note(f"all {options.questions} questions answered", out)
+        await anyio.sleep(2.0)  # late duplicates from redelivery still count
+        tg.cancel_scope.cancel()
+    for worker in run.workers:
+        if worker.fate == "running":
+            worker.process.send_signal(signal.SIGTERM)
+            worker.fate = "terminated"
+    for worker in run.workers:
+        await anyio.to_thread.run_sync(worker.process.wait, 60)
+    run.note("every worker stopped", out)
+
+
+async def _faults(run: _Run, out) -> None:
+    total = run.options.questions
+    await _until_answered(run, total // 4)
+    victim = run.workers[0]
+    victim.process.send_signal(signal.SIGKILL)
+    victim.fate = "killed"
+    run.note(f"SIGKILL {victim.name} (pid {victim.process.pid}) at {len(run.answered())} answered", out)
+    _spawn(run, out)
+    await _until_answered(run, total * 11 // 20)
+    leaving = run.workers[1]
+    leaving.process.send_signal(signal.SIGTERM)
+    leaving.fate = "terminated"
+    run.note(f"SIGTERM {leaving.name} (pid {leaving.process.pid}) at {len(run.answered())} answered", out)
+    code = await anyio.to_thread.run_sync(leaving.process.wait, 60)
+    run.note(f"{leaving.name} drained and exited {code}", out)
+    run.note(f"broker restart {BROKER_RESTART_SKIPPED}", out)
+
+
+async def _until_answered(run: _Run, count: int) -> None:
+    while len(run.answered()) < count:
+        _assert_alive(run)
+        await anyio.sleep(0.1)
+
+
+def _spawn(run: _Run, out) -> None:
+    options, kafka = run.options, run.kafka
+    index = len(run.workers)
+    name = f"worker-{index}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KEV_") or k == "KEV_CACHE_DIR"}
+    env.update({
+        "KEV_LOGGING__JSON": "true", "KEV_LOG_LEVEL": "debug",  # debug: the committer's "committed" lines
+        "KEV_CORE__THREADS": "1", "KEV_METRICS__PORT": "0", "PYTHONUNBUFFERED": "1",
+        "KEV_ISOLATION__DETERMINISTIC": "true",  # a redelivered question's second answer is bitwise the same
+        "KEV_KAFKA__GROUP_ID": kafka.group_id, "KEV_KAFKA__PARTITIONS": str(kafka.partitions),
+        "KEV_KAFKA__COMMIT_INTERVAL_MS": str(kafka.commit_interval_ms), "KEV_KAFKA_SESSION_TIMEOUT_MS": "3000",
+        "KEV_KV_CACHE__NUM_BLOCKS": "512",
+    })
+    cpus = cpu_share(sorted(os.sched_getaffinity(0)), index % options.workers, options.workers) if options.pin else None
+    log_path = options.workdir / f"{name}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kev_async.cli", "serve", "--model", options.model,
+             "--bootstrap-servers", kafka.bootstrap_servers, "--drain-deadline", "60"],
+            env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    run.workers.append(_Worker(name, process, log_path))
+    run.note(f"started {name} (pid {process.pid}{f', cpus {cpus}' if cpus else ''})", out)
+
+
+def _assert_alive(run: _Run) -> None:
+    for worker in run.workers:
+        if worker.fate == "running" and worker.process.poll() is not None:
+            raise RuntimeError(f"{worker.name} exited {worker.process.returncode} on its own:\n{worker.log()[-3000:]}")
+
+
+async def _publish_over_time(run: _Run, out) -> None:
+    options = run.options
+    producer = AIOKafkaProducer(bootstrap_servers=run.kafka.bootstrap_servers, acks="all", enable_idempotence=False)
+    await producer.start()
+    try:
+        gap = options.spread_s / max(1, options.questions)
+        begin = time.monotonic()
+        for i in range(options.questions):
+            qid = f"drill-{i:04d}"
+            question = QuestionEvent(question_id=qid, prompt=QUESTIONS[i % len(QUESTIONS)],
+                                     params=Params(max_new_tokens=options.max_new_tokens, temperature=0.0))
+            meta = await producer.send_and_wait(run.kafka.questions_topic, encode(question), key=qid.encode())
+            run.sent[qid] = (meta.partition, meta.offset)
+            await anyio.sleep(max(0.0, begin + (i + 1) * gap - time.monotonic()))
+        run.note(f"published {options.questions} questions over {time.monotonic() - begin:.1f}s", out)
+    finally:
+        await producer.stop()
+
+
+async def _read_answers(run: _Run, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    consumer = AIOKafkaConsumer(run.kafka.answers_topic, bootstrap_servers=run.kafka.bootstrap_servers,
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    task_status.started()
+    try:
+        while True:
+            batch = await consumer.getmany(timeout_ms=100)
+            for records in batch.values():
+                run.answers += [(decode_answer(record.value), record) for record in records]
+    finally:
+        with anyio.CancelScope(shield=True):
+            await consumer.stop()
+
+
+async def _committed(kafka: KafkaConfig) -> dict[int, int | None]:
+    from aiokafka import TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return {p: await consumer.committed(TopicPartition(kafka.questions_topic, p)) for p in range(kafka.partitions)}
+    finally:
+        await consumer.stop()
+
+
+def result_json(result: DrillResult) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(result), indent=2)

@@ -1,0 +1,142 @@
+"""What a fault drill must show afterwards, read from the answers topic, the group's commits and the
+workers' JSON logs (kev_async/drill.py runs the drill).
+
+- exactly one final answer per question: every question answered; redelivery duplicates counted,
+  and each duplicate equal to the first (text, token ids, finish reason);
+- commit after ack: every "committed" line a worker logged (the committer, after the broker
+  accepted the commit) covers only offsets whose question some worker had logged "published"
+  (after the broker acked the answer) no later; the group's final commit covers every question;
+- no KV leak: each worker that stopped gracefully logged engine_actor.stopped with all blocks free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from datetime import datetime
+
+import msgspec
+
+
+class DrillResult(msgspec.Struct, kw_only=True):
+    ok: bool = False
+    questions: int = 0
+    answered: int = 0
+    missing: list[str] = []
+    answer_records: int = 0
+    duplicates: int = 0  # answer records beyond the first per question
+    duplicates_differing: list[str] = []
+    error_answers: int = 0
+    commits_checked: int = 0
+    commits_before_ack: list[str] = []
+    final_commit_covers_all: bool = False
+    kv_pools: dict[str, str] = {}  # worker -> "free 512/512", or why it was not checked
+    kv_leaks: list[str] = []
+    seconds: float = 0.0  # first question published to last answer
+    answers_per_s: float = 0.0
+    workers: dict[str, str] = {}  # worker -> fate and exit code
+    broker_restart: str = ""
+    timeline: list[str] = []
+
+
+def log_events(text: str, event: str) -> list[dict]:
+    """The JSON log lines of `text` whose event is `event`."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{") and f'"{event}"' in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == event:
+                found.append(record)
+    return found
+
+
+def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, tuple[str, int | None, str]],
+              committed: dict[int, int | None], questions_topic: str) -> DrillResult:
+    """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text)."""
+    result = DrillResult(questions=len(sent), answer_records=len(answers))
+    _check_answers(result, sent, answers)
+    _check_commits(result, sent, logs, committed, questions_topic)
+    _check_pools(result, logs)
+    result.workers = {name: f"{fate}, exit {code}" for name, (fate, code, _) in logs.items()}
+    result.ok = (not result.missing and not result.duplicates_differing and not result.commits_before_ack
+                 and result.final_commit_covers_all and not result.kv_leaks and result.commits_checked > 0)
+    return result
+
+
+def _check_answers(result: DrillResult, sent: dict, answers: list) -> None:
+    first = {}
+    for answer, _record in answers:
+        if answer.question_id not in first:
+            first[answer.question_id] = answer
+        elif _content(answer) != _content(first[answer.question_id]):
+            result.duplicates_differing.append(answer.question_id)
+    counts = Counter(answer.question_id for answer, _ in answers)
+    result.answered = len(set(first) & set(sent))
+    result.missing = sorted(set(sent) - set(first))
+    result.duplicates = sum(n - 1 for n in counts.values())
+    result.error_answers = sum(a.error is not None for a in first.values())
+    if answers:
+        timestamps = [record.timestamp for _, record in answers]
+        result.seconds = max(0.001, (max(timestamps) - _first_publish_ms(answers)) / 1000)
+        result.answers_per_s = round(result.answered / result.seconds, 2)
+
+
+def _first_publish_ms(answers: list) -> int:
+    # An answer's arrival stamp minus its end-to-end time is when its question reached a worker.
+    return min(record.timestamp - answer.timings.e2e_ms for answer, record in answers)
+
+
+def _content(answer) -> tuple:
+    return answer.text, tuple(answer.token_ids), answer.finish_reason, answer.error
+
+
+def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str) -> None:
+    acked = {}  # question_id -> earliest "published" time over every worker
+    commits = []  # (time, partition, position)
+    for name, (_fate, _code, text) in logs.items():
+        for line in log_events(text, "published"):
+            if line.get("question_id") is not None and line.get("kind") in ("answers", "error_answers"):
+                at = _time(line)
+                acked[line["question_id"]] = min(at, acked.get(line["question_id"], at))
+        for line in log_events(text, "committed"):
+            for key, position in line["positions"].items():
+                name_, _, partition = key.rpartition(":")
+                if name_ == topic:
+                    commits.append((_time(line), int(partition), position, name))
+    by_offset = defaultdict(dict)  # partition -> offset -> question_id
+    for qid, (partition, offset) in sent.items():
+        by_offset[partition][offset] = qid
+    for at, partition, position, worker in commits:
+        result.commits_checked += 1
+        for offset in range(position):
+            qid = by_offset[partition].get(offset)
+            if qid is None or acked.get(qid) is None or acked[qid] > at:
+                result.commits_before_ack.append(f"{worker} committed {topic}:{partition}@{position} at {at} "
+                                                 f"before offset {offset} ({qid}) was acked ({acked.get(qid)})")
+                break
+    ends = defaultdict(int)
+    for partition, offset in sent.values():
+        ends[partition] = max(ends[partition], offset + 1)
+    result.final_commit_covers_all = all((committed.get(p) or 0) >= end for p, end in ends.items())
+
+
+def _check_pools(result: DrillResult, logs: dict) -> None:
+    for name, (fate, code, text) in logs.items():
+        stopped = log_events(text, "engine_actor.stopped")
+        if fate == "killed":
+            result.kv_pools[name] = "not checked: SIGKILLed (its pool died with the process)"
+        elif not stopped:
+            result.kv_pools[name] = f"no engine_actor.stopped line (exit {code})"
+            result.kv_leaks.append(name)
+        else:
+            free, total = stopped[-1].get("kv_blocks_free"), stopped[-1].get("kv_blocks_total")
+            result.kv_pools[name] = f"free {free}/{total}"
+            if free is None or free != total:
+                result.kv_leaks.append(name)
+
+
+def _time(line: dict) -> datetime:
+    return datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00"))

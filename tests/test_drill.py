@@ -1,0 +1,70 @@
+"""The fault drill: real `kev serve` processes on the embedded broker (tiny model), one SIGKILLed, one
+added, one SIGTERMed mid-stream; then exactly one answer per question (duplicates identical), no commit
+before its answer's ack, and every gracefully stopped worker's KV pool all free."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kev_async.drill_checks import check_run
+from schemas import AnswerEvent
+
+pytest_plugins = ["serve_fixtures"]
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.kafka
+async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
+    from kev_async.drill import DrillOptions, run_drill
+
+    options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=15.0,
+                           model=str(tiny_model_dir), workdir=tmp_path / "drill")
+    result = await run_drill(options, out=print)
+    print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates, "
+          f"{result.commits_checked} commits checked, pools {result.kv_pools}")
+    assert not result.missing, result.missing
+    assert not result.duplicates_differing, result.duplicates_differing
+    assert not result.commits_before_ack, result.commits_before_ack[:3]
+    assert result.commits_checked > 0 and result.final_commit_covers_all
+    assert not result.kv_leaks, result.kv_pools
+    assert result.workers == {"worker-0": "killed, exit -9", "worker-1": "terminated, exit 0",
+                              "worker-2": "terminated, exit 0", "worker-3": "terminated, exit 0"}
+    assert sum(pool.startswith("free ") for pool in result.kv_pools.values()) == 3
+    assert result.ok
+
+
+def _line(event: str, at: str, **fields) -> str:
+    return json.dumps({"event": event, "timestamp": f"2026-01-01T00:00:{at}Z", **fields})
+
+
+class _Record:
+    def __init__(self, timestamp: int) -> None:
+        self.timestamp = timestamp
+
+
+def test_the_checks_catch_a_commit_before_the_ack_a_leak_and_a_differing_duplicate():
+    sent = {"q0": (0, 0), "q1": (0, 1)}
+    a0 = AnswerEvent(question_id="q0", text="x", token_ids=(1,))
+    a1 = AnswerEvent(question_id="q1", text="y", token_ids=(2,))
+    a1_other = AnswerEvent(question_id="q1", text="z", token_ids=(3,))
+    answers = [(a0, _Record(1000)), (a1, _Record(2000)), (a1_other, _Record(3000))]
+    log = "\n".join([
+        _line("published", "01.000000", kind="answers", question_id="q0"),
+        _line("committed", "01.500000", positions={"q-topic:0": 1}),  # fine: q0 acked at 01.0
+        _line("committed", "01.600000", positions={"q-topic:0": 2}),  # too early: q1 acked at 02.0
+        _line("published", "02.000000", kind="answers", question_id="q1"),
+        _line("engine_actor.stopped", "03.000000", kv_blocks_free=7, kv_blocks_total=8),
+    ])
+    result = check_run(sent, answers, {"w": ("terminated", 0, log)}, {0: 2}, "q-topic")
+    assert result.commits_checked == 2 and len(result.commits_before_ack) == 1
+    assert "offset 1 (q1)" in result.commits_before_ack[0]
+    assert result.duplicates == 1 and result.duplicates_differing == ["q1"]
+    assert result.kv_leaks == ["w"] and result.kv_pools == {"w": "free 7/8"}
+    assert result.final_commit_covers_all and not result.ok
