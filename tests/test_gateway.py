@@ -355,13 +355,3 @@ def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
         demo.signal(signal.SIGINT)
         assert demo.wait(60) == 0, demo.describe()
 
-
-def test_bench_gateway_runs_and_reports_the_added_p50(tiny_model, monkeypatch):
-    from kev_async.bench.gateway import bench_gateway
-
-    for name, value in SESSION_ENV.items():
-        monkeypatch.setenv(name, value)
-    lines: list[str] = []
-    result = run(partial(bench_gateway, tiny_model, concurrency=4, rounds=1, max_new_tokens=1, out=lines.append))
-    assert set(result["p50_ms"]) == {"kafka", "gateway"} and result["p50_ms"]["gateway"] > 0
-    assert lines[-1].startswith("gateway adds ")

@@ -1,0 +1,30 @@
+"""`kev bench gateway` stays runnable: a tiny model, 4 concurrent questions, one round per path.
+
+Its own module: the bench starts a worker of its own, and a module-scoped live stack (test_gateway.py)
+would already hold the CPU device's one scheduler actor.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import anyio
+import pytest
+
+pytest.register_assert_rewrite("gateway_fixtures")
+from gateway_fixtures import SESSION_ENV  # noqa: E402
+
+pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
+pytestmark = pytest.mark.kafka
+
+
+def test_bench_gateway_runs_and_reports_the_added_p50(tiny_model, monkeypatch):
+    from kev_async.bench.gateway import bench_gateway
+
+    for name, value in SESSION_ENV.items():
+        monkeypatch.setenv(name, value)
+    lines: list[str] = []
+    bench = partial(bench_gateway, tiny_model, concurrency=4, rounds=1, max_new_tokens=1, out=lines.append)
+    result = anyio.run(bench, backend="asyncio")
+    assert set(result["p50_ms"]) == {"kafka", "gateway"} and result["p50_ms"]["gateway"] > 0
+    assert lines[-1].startswith("gateway adds ")
