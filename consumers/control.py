@@ -15,6 +15,11 @@ Cancels (`action: cancel`) are skipped while catching up: they were meant for qu
 then, and a question this worker takes later under the same id must not be cancelled by history.
 Only cancels that arrive once the reader is ready are sent on.
 
+`wrap(event, offset)` (default: the event alone) lets the caller keep each command's offset, its
+identity: `kev serve` passes it on as the command's id, so an engine that has applied a command
+already skips it when the topic is replayed again (the control actor restarted): replay is
+idempotent, a load is not re-applied as a new adapter version.
+
 A record that does not decode is logged (a structlog warning with its offset and reason) and
 skipped: a bad command never stops the reader.
 """
@@ -22,7 +27,7 @@ skipped: a bad command never stops the reader.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -49,6 +54,7 @@ async def run_control_reader(
     catch_up_timeout: float = 15.0,
     poll_timeout_ms: int = 100,
     consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
+    wrap: Callable[[ControlEvent, int], Any] | None = None,  # builds what is sent from (event, offset)
 ) -> None:
     """Send each valid command on `cfg.control_topic` to `out`, from the topic's first record, until
     cancelled (or until `out`'s receiver is closed); closes `out` when it ends.
@@ -63,7 +69,7 @@ async def run_control_reader(
         auto_offset_reset="earliest", enable_auto_commit=False,
         **client_options(cfg.security), **dict(consumer_options or {}),
     )
-    reader = _ControlReader(consumer, out, poll_timeout_ms)
+    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event))
     async with out:
         if create_topic:
             await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security)
@@ -87,8 +93,8 @@ async def run_control_reader(
 
 class _ControlReader:
     def __init__(self, consumer: AIOKafkaConsumer, out: MemoryObjectSendStream[ControlEvent],
-                 poll_timeout_ms: int) -> None:
-        self.consumer, self.out, self.poll_timeout_ms = consumer, out, poll_timeout_ms
+                 poll_timeout_ms: int, wrap: Callable[[ControlEvent, int], Any]) -> None:
+        self.consumer, self.out, self.poll_timeout_ms, self.wrap = consumer, out, poll_timeout_ms, wrap
         self.sent = 0
         self.skipped = 0
         self.stale_cancels = 0  # cancels found while catching up, not sent
@@ -114,7 +120,7 @@ class _ControlReader:
                 if event is not None and event.action == "cancel" and self.replaying:
                     self.stale_cancels += 1
                 elif event is not None:
-                    await self.out.send(event)
+                    await self.out.send(self.wrap(event, record.offset))
                     self.sent += 1
 
     def _decode(self, record: ConsumerRecord) -> ControlEvent | None:

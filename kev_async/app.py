@@ -131,10 +131,12 @@ async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Sh
         if inbox is not None:
             with inbox:
                 applier = _ControlApplier(inbox, timeout)
-                send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+                send, receive = anyio.create_memory_object_stream[tuple[ControlEvent, int]](16)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(applier.run, receive)
-                    replayed = await tg.start(reader, kafka_cfg, send)
+                    # With its offset: the command's id, so a replay into this engine applies nothing twice.
+                    replayed = await tg.start(partial(reader, wrap=lambda event, offset: (event, offset)),
+                                              kafka_cfg, send)
                     await applier.wait_applied(replayed)
                     log.info("control.ready", topic=kafka_cfg.control_topic, replayed=replayed)
                     started = True
@@ -151,10 +153,10 @@ class _ControlApplier:
         self.applied = 0  # commands handled, whatever their outcome
         self._progress = anyio.Event()
 
-    async def run(self, receive: MemoryObjectReceiveStream[ControlEvent]) -> None:
+    async def run(self, receive: MemoryObjectReceiveStream[tuple[ControlEvent, int]]) -> None:
         async with receive:
-            async for event in receive:
-                await self.apply(event)
+            async for event, offset in receive:
+                await self.apply(event, offset)
                 self.applied += 1
                 self._progress.set()
                 self._progress = anyio.Event()
@@ -163,18 +165,18 @@ class _ControlApplier:
         while self.applied < count:
             await self._progress.wait()
 
-    async def apply(self, event: ControlEvent) -> None:
+    async def apply(self, event: ControlEvent, offset: int | None = None) -> None:
         if event.action == "cancel":
             # Every worker hears every cancel; the engine ignores an id it does not hold. Nothing to wait for.
             await self.inbox.send(Cancel(event.question_id))
             log.info("control.cancel", question_id=event.question_id)
             return
         if event.action == "load_adapter":
-            body = LoadAdapter(event.name, event.path)
+            body = LoadAdapter(event.name, event.path, command_id=offset)
         elif event.action == "unload_adapter":
-            body = UnloadAdapter(event.name)
+            body = UnloadAdapter(event.name, command_id=offset)
         else:
-            body = UpdateDefaults(dict(event.defaults or {}))
+            body = UpdateDefaults(dict(event.defaults or {}), command_id=offset)
         try:
             result = await ask(self.inbox, body, self.timeout)
         except Exception as error:  # noqa: BLE001 - a bad command is logged; the next one still applies

@@ -53,6 +53,7 @@ class UpdateDefaults:
     """New sampling defaults for questions admitted from now on; send with `ask`, reply = the version."""
 
     changes: Mapping[str, Any] = field(default_factory=dict)
+    command_id: int | None = None  # see LoadAdapter
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class LoadAdapter:
 
     name: str
     path: str | os.PathLike
+    # The kev.control record's offset. An engine applies each id once: a replay of the topic (the control
+    # actor restarted) gets the first outcome again instead of loading a new version.
+    command_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class UnloadAdapter:
     Plainly or with `ask` (reply = None, or the error: KeyError for a name that is not loaded)."""
 
     name: str
+    command_id: int | None = None  # see LoadAdapter
 
 
 class DeviceBusy(RuntimeError):
@@ -133,8 +138,12 @@ class _SchedulerActor:
         self.places = anyio.Semaphore(max_in_flight)
         self.in_flight: dict[Handle, Any] = {}  # taken, answer not yet sent -> its source
         self.wrap = wrap or (lambda event, _source: event)
+        self.applied: dict[int, tuple[bool, Any]] = {}  # control command_id -> (succeeded, reply or error)
 
     async def handle(self, message: Any, forwarders) -> None:
+        command, reply_to = (message.body, message.reply_to) if isinstance(message, Request) else (message, None)
+        if isinstance(command, (UpdateDefaults, LoadAdapter, UnloadAdapter)) and self._repeat(command, reply_to):
+            return
         match message:
             case Submit(question=question, source=source):
                 await self._submit(question, source, forwarders)
@@ -142,8 +151,8 @@ class _SchedulerActor:
                 await self._submit(question, message, forwarders)
             case Cancel(question_id=question_id):
                 self.engine.cancel(question_id)
-            case Request(body=UpdateDefaults(changes=changes), reply_to=reply_to):
-                self._update_defaults(changes, reply_to)
+            case Request(body=UpdateDefaults() as command, reply_to=reply_to):
+                self._update_defaults(command, reply_to)
             case LoadAdapter() | UnloadAdapter():
                 await self._adapter_command(message, None)
             case Request(body=LoadAdapter() | UnloadAdapter() as command, reply_to=reply_to):
@@ -158,11 +167,29 @@ class _SchedulerActor:
         self.in_flight[handle] = source
         forwarders.start_soon(self._forward, handle)
 
-    def _update_defaults(self, changes: Mapping[str, Any], reply_to: Reply) -> None:
+    def _update_defaults(self, command: UpdateDefaults, reply_to: Reply) -> None:
         try:
-            reply_to.set(self.engine.update_defaults(**changes))
+            version = self.engine.update_defaults(**command.changes)
         except (TypeError, ValueError) as bad_change:  # the asker's mistake: it gets the error
+            self._remember(command, False, bad_change)
             reply_to.fail(bad_change)
+            return
+        self._remember(command, True, version)
+        reply_to.set(version)
+
+    def _repeat(self, command, reply_to: Reply | None) -> bool:
+        """A control command this engine has applied already: reply as the first time, apply nothing."""
+        if command.command_id is None or command.command_id not in self.applied:
+            return False
+        succeeded, outcome = self.applied[command.command_id]
+        log.info("engine_actor.command_replayed", command=type(command).__name__, command_id=command.command_id)
+        if reply_to is not None:
+            reply_to.set(outcome) if succeeded else reply_to.fail(outcome)
+        return True
+
+    def _remember(self, command, succeeded: bool, outcome: Any) -> None:
+        if command.command_id is not None:
+            self.applied[command.command_id] = (succeeded, outcome)
 
     async def _adapter_command(self, command: LoadAdapter | UnloadAdapter, reply_to: Reply | None) -> None:
         """Load or unload now; a failure (bad files, unknown name, engine closed) never ends the actor."""
@@ -176,9 +203,11 @@ class _SchedulerActor:
             reason = f"adapter {command.name!r} is not loaded" if isinstance(error, KeyError) else str(error)
             log.warning("engine_actor.adapter_failed", command=type(command).__name__, adapter=command.name,
                         error=reason, error_type=type(error).__name__)
+            self._remember(command, False, error)
             if reply_to is not None:
                 reply_to.fail(error)
             return
+        self._remember(command, True, result)
         if reply_to is not None:
             reply_to.set(result)
 
