@@ -98,7 +98,7 @@ def test_decode_control_accepts_each_action(raw, expected):
 
 BAD = [
     (control(action="reload", name="a"), "invalid_field",
-     "action: 'reload' is not one of: load_adapter, unload_adapter, update_defaults"),
+     "action: 'reload' is not one of: cancel, load_adapter, unload_adapter, update_defaults"),
     (control(name="a"), "invalid_field", "action: missing required field"),
     (control(action="load_adapter", path="/adapters/a"), "invalid_field",
      "name: missing; load_adapter needs name and path"),
@@ -310,3 +310,11 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
     assert [e["reason"] for e in events(logs, "control.skipped")] == ["not_json", "not_utf8"]
     assert events(logs, "control.ready", replayed=1)
     assert not events(logs, "actor.crashed")
+
+
+def test_cancel_names_its_question_and_only_that():
+    assert decode_control(b'{"action": "cancel", "question_id": "q1"}') == ControlEvent(action="cancel", question_id="q1")
+    with pytest.raises(InvalidControl, match="question_id: missing; cancel needs question_id"):
+        decode_control(b'{"action": "cancel"}')
+    with pytest.raises(InvalidControl, match="name: not used by cancel"):
+        decode_control(b'{"action": "cancel", "question_id": "q1", "name": "a"}')
