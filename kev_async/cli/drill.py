@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "answer (redelivery duplicates counted, and identical), no offset was committed before its "
                     "answer was acked, every gracefully stopped worker's KV pool is all free. Workers run "
                     "deterministic mode at temperature 0. A broker restart is skipped: the bundled Tansu keeps "
-                    "memory only. --no-faults makes it a plain throughput run.")
+                    "memory only. --no-faults makes it a plain throughput run (default mode; --spread 0 --pin "
+                    "for the scaling table).")
     drill.add_argument("--questions", type=int, default=400)
     drill.add_argument("--workers", type=int, default=3)
     drill.add_argument("--partitions", type=int, default=6)
