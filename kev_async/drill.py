@@ -30,6 +30,7 @@ from kev_async.deploy import cpu_share
 from kev_async.drill_checks import DrillResult, check_run, log_events
 from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 
+DRAIN_DEADLINE_S = 120  # a SIGTERMed worker's `--drain-deadline`; the drill waits a little longer for its exit
 BROKER_RESTART_SKIPPED = ("skipped: the bundled Tansu stores in memory only (storage engines memory:// and s3://; "
                           "sqlite/postgres are not compiled in), so a restart would lose topics and offsets")
 
@@ -47,6 +48,9 @@ class DrillOptions:
     pin: bool = False  # pin worker i to its share of the cores (one core each when workers <= cores)
     startup_timeout_s: float = 180.0
     answer_timeout_s: float = 600.0
+    route: str | None = None  # a strategy: publish to the intake topic and run `kev route`'s loop in process
+    system_prompts: tuple[str, ...] = ()  # question i gets system prompt i % len (none when empty)
+    worker_env: dict[str, str] = field(default_factory=dict)  # extra KEV_* settings for every worker
 
 
 @dataclass
@@ -54,7 +58,7 @@ class _Worker:
     name: str
     process: subprocess.Popen
     log_path: Path
-    fate: str = "running"  # running | killed | terminated
+    fate: str = "running"  # running | killed | terminated | hung (outlived its drain deadline)
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", "replace")
@@ -112,6 +116,10 @@ async def _drill(run: _Run, out) -> None:
     run.note(f"{options.workers} workers in group {run.kafka.group_id}", out)
     async with anyio.create_task_group() as tg:
         await tg.start(_read_answers, run)
+        if options.route:
+            from consumers.route import RouteService
+
+            await tg.start(RouteService(run.kafka, options.route).run)
         tg.start_soon(_publish_over_time, run, out)
         if options.faults:
             await _faults(run, out)
@@ -120,13 +128,15 @@ async def _drill(run: _Run, out) -> None:
                 await anyio.sleep(0.2)
         run.note(f"all {options.questions} questions answered", out)
         await anyio.sleep(2.0)  # late duplicates from redelivery still count
+        if options.route:  # where the router put each question: the positions the workers committed
+            run.sent = await _positions(run.kafka, options.questions)
         tg.cancel_scope.cancel()
     for worker in run.workers:
         if worker.fate == "running":
             worker.process.send_signal(signal.SIGTERM)
             worker.fate = "terminated"
     for worker in run.workers:
-        await anyio.to_thread.run_sync(worker.process.wait, 60)
+        await _wait_exit(run, worker, out)
     run.note("every worker stopped", out)
 
 
@@ -143,9 +153,22 @@ async def _faults(run: _Run, out) -> None:
     leaving.process.send_signal(signal.SIGTERM)
     leaving.fate = "terminated"
     run.note(f"SIGTERM {leaving.name} (pid {leaving.process.pid}) at {len(run.answered())} answered", out)
-    code = await anyio.to_thread.run_sync(leaving.process.wait, 60)
+    code = await _wait_exit(run, leaving, out)
     run.note(f"{leaving.name} drained and exited {code}", out)
     run.note(f"broker restart {BROKER_RESTART_SKIPPED}", out)
+
+
+async def _wait_exit(run: _Run, worker: _Worker, out) -> int:
+    """The worker's exit code once it has drained; SIGKILL (fate "hung") if it outlives its drain deadline."""
+    deadline = time.monotonic() + DRAIN_DEADLINE_S + 30
+    while worker.process.poll() is None and time.monotonic() < deadline:
+        await anyio.sleep(0.2)
+    if worker.process.poll() is None:
+        worker.process.kill()
+        worker.process.wait()
+        worker.fate = "hung"
+        run.note(f"{worker.name} did not exit {DRAIN_DEADLINE_S + 30}s after SIGTERM: SIGKILLed", out)
+    return worker.process.returncode
 
 
 async def _until_answered(run: _Run, count: int) -> None:
@@ -160,21 +183,22 @@ def _spawn(run: _Run, out) -> None:
     name = f"worker-{index}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEV_") or k == "KEV_CACHE_DIR"}
     env.update({
-        "KEV_LOGGING__JSON": "true", "KEV_LOG_LEVEL": "debug",  # debug: the committer's "committed" lines
+        "KEV_LOGGING__JSON": "true",
+        "KEV_AGGREGATOR__TIMEOUT_MS": "3600000",  # a backlog must not turn answers into timeouts mid-drill
         "KEV_CORE__THREADS": "1", "KEV_METRICS__PORT": "0", "PYTHONUNBUFFERED": "1",
         # With faults, a redelivered question is answered twice: deterministic mode makes the two bitwise equal.
         # Without, default mode: that run measures throughput.
         "KEV_ISOLATION__DETERMINISTIC": "true" if options.faults else "false",
         "KEV_KAFKA__GROUP_ID": kafka.group_id, "KEV_KAFKA__PARTITIONS": str(kafka.partitions),
         "KEV_KAFKA__COMMIT_INTERVAL_MS": str(kafka.commit_interval_ms), "KEV_KAFKA_SESSION_TIMEOUT_MS": "3000",
-        "KEV_KV_CACHE__NUM_BLOCKS": "512",
+        "KEV_KV_CACHE__NUM_BLOCKS": "512", **options.worker_env,
     })
     cpus = cpu_share(sorted(os.sched_getaffinity(0)), index % options.workers, options.workers) if options.pin else None
     log_path = options.workdir / f"{name}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "kev_async.cli", "serve", "--model", options.model,
-             "--bootstrap-servers", kafka.bootstrap_servers, "--drain-deadline", "60"],
+             "--bootstrap-servers", kafka.bootstrap_servers, "--drain-deadline", str(DRAIN_DEADLINE_S)],
             env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     run.workers.append(_Worker(name, process, log_path))
@@ -196,9 +220,11 @@ async def _publish_over_time(run: _Run, out) -> None:
         begin = time.monotonic()
         for i in range(options.questions):
             qid = f"drill-{i:04d}"
-            question = QuestionEvent(question_id=qid, prompt=QUESTIONS[i % len(QUESTIONS)],
+            system = options.system_prompts[i % len(options.system_prompts)] if options.system_prompts else None
+            question = QuestionEvent(question_id=qid, prompt=QUESTIONS[i % len(QUESTIONS)], system=system,
                                      params=Params(max_new_tokens=options.max_new_tokens, temperature=0.0))
-            meta = await producer.send_and_wait(run.kafka.questions_topic, encode(question), key=qid.encode())
+            topic = run.kafka.intake_topic if options.route else run.kafka.questions_topic
+            meta = await producer.send_and_wait(topic, encode(question), key=qid.encode())
             run.sent[qid] = (meta.partition, meta.offset)
             await anyio.sleep(max(0.0, begin + (i + 1) * gap - time.monotonic()))
         run.note(f"published {options.questions} questions over {time.monotonic() - begin:.1f}s", out)
@@ -219,6 +245,22 @@ async def _read_answers(run: _Run, *, task_status=anyio.TASK_STATUS_IGNORED) -> 
     finally:
         with anyio.CancelScope(shield=True):
             await consumer.stop()
+
+
+async def _positions(kafka: KafkaConfig, count: int) -> dict[str, tuple[int, int]]:
+    """question_id (the record key) -> (partition, offset) of every question on the questions topic."""
+    consumer = AIOKafkaConsumer(kafka.questions_topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    positions = {}
+    try:
+        with anyio.move_on_after(30):
+            while len(positions) < count:
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    positions.update({r.key.decode(): (r.partition, r.offset) for r in records})
+    finally:
+        await consumer.stop()
+    return positions
 
 
 async def _committed(kafka: KafkaConfig) -> dict[int, int | None]:

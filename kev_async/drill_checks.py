@@ -27,6 +27,9 @@ class DrillResult(msgspec.Struct, kw_only=True):
     duplicates: int = 0  # answer records beyond the first per question
     duplicates_differing: list[str] = []
     error_answers: int = 0
+    prompt_tokens: int = 0  # over first answers
+    cached_prompt_tokens: int = 0  # of those, read from a worker's prefix cache (isolation.level shared)
+    by_worker: dict[str, int] = {}  # first answers per worker (audit.worker)
     commits_checked: int = 0
     commits_before_ack: list[str] = []
     final_commit_covers_all: bool = False
@@ -78,6 +81,9 @@ def _check_answers(result: DrillResult, sent: dict, answers: list) -> None:
     result.missing = sorted(set(sent) - set(first))
     result.duplicates = sum(n - 1 for n in counts.values())
     result.error_answers = sum(a.error is not None for a in first.values())
+    result.prompt_tokens = sum(a.usage.prompt_tokens for a in first.values())
+    result.cached_prompt_tokens = sum(getattr(a.usage, "cached_prompt_tokens", 0) for a in first.values())
+    result.by_worker = dict(Counter(a.audit.worker for a in first.values()))
     if answers:
         timestamps = [record.timestamp for _, record in answers]
         result.seconds = max(0.001, (max(timestamps) - _first_publish_ms(answers)) / 1000)
@@ -126,7 +132,10 @@ def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict,
 def _check_pools(result: DrillResult, logs: dict) -> None:
     for name, (fate, code, text) in logs.items():
         stopped = log_events(text, "engine_actor.stopped")
-        if fate == "killed":
+        if fate == "hung":
+            result.kv_pools[name] = "not checked: did not exit after SIGTERM (SIGKILLed)"
+            result.kv_leaks.append(name)
+        elif fate == "killed":
             result.kv_pools[name] = "not checked: SIGKILLed (its pool died with the process)"
         elif not stopped:
             result.kv_pools[name] = f"no engine_actor.stopped line (exit {code})"

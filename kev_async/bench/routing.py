@@ -1,0 +1,69 @@
+"""`kev bench routing`: the prefix-cache hit rate of semantic_hash against round_robin.
+
+Two `kev serve` workers with isolation.level shared, questions with a few long system prompts sent
+through `kev route` (in process) on the embedded broker, once per strategy. The hit rate is what the
+workers' metrics call kev_prefix_cache_hit_rate: prompt tokens read from the cache / prompt tokens,
+summed here over the answers' usage. semantic_hash sends each system prompt to one worker, whose
+cache then holds fewer prefixes; round_robin makes every worker cache every prefix, so a small pool
+evicts them in turn. Built on the drill's runner (kev_async/drill.py) with faults off.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+PERSONAS = ("a travel agent", "a legal assistant", "a cooking tutor", "a programming tutor",
+            "a fitness coach", "a history teacher", "a customer support agent", "a science explainer")
+PARAGRAPH = ("Follow the house style: short sentences, plain words, no lists unless asked, and cite the "
+             "policy section you rely on. Refuse requests outside your scope politely and offer the "
+             "nearest thing you can do. Never invent names, numbers, prices or dates. ")
+
+
+def system_prompts(count: int, repeat: int = 3) -> tuple[str, ...]:
+    """`count` distinct long system prompts (about 60 words per repeat), one persona each."""
+    return tuple(f"You are {PERSONAS[i % len(PERSONAS)]}. " + PARAGRAPH * repeat for i in range(count))
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    routing = kinds.add_parser(
+        "routing", help="prefix-cache hit rate: semantic_hash vs round_robin over 2 workers",
+        description="Run `kev route` with each strategy in front of --workers `kev serve` workers "
+                    "(isolation.level shared) on the embedded broker; questions cycle through --system-prompts "
+                    "long system prompts. Prints each strategy's prefix-cache hit rate and the ratio.")
+    routing.add_argument("--model", default="smollm2-135m-instruct")
+    routing.add_argument("--questions", type=int, default=64)
+    routing.add_argument("--workers", type=int, default=2)
+    routing.add_argument("--partitions", type=int, default=2)
+    routing.add_argument("--system-prompts", type=int, default=4)
+    routing.add_argument("--max-new-tokens", type=int, default=8)
+    routing.add_argument("--num-blocks", type=int, default=48, help="each worker's KV pool: small, so the cache "
+                                                                    "cannot hold every prefix")
+    routing.add_argument("--spread", type=float, default=20.0)
+    routing.add_argument("--workdir", default="kev-bench-routing")
+    routing.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    import anyio
+
+    from kev_async.drill import DrillOptions, run_drill
+    from kev_async.logs import configure_logging
+
+    configure_logging("warning")
+    rates = {}
+    for strategy in ("semantic_hash", "round_robin"):
+        options = DrillOptions(
+            questions=args.questions, workers=args.workers, partitions=args.partitions,
+            max_new_tokens=args.max_new_tokens, spread_s=args.spread, model=args.model,
+            workdir=Path(args.workdir) / strategy, faults=False, route=strategy,
+            system_prompts=system_prompts(args.system_prompts),
+            worker_env={"KEV_ISOLATION__LEVEL": "shared", "KEV_KV_CACHE__NUM_BLOCKS": str(args.num_blocks)})
+        result = anyio.run(run_drill, options, lambda line: None, backend="asyncio")
+        rates[strategy] = result.cached_prompt_tokens / max(1, result.prompt_tokens)
+        print(f"{strategy:14} hit rate {rates[strategy]:.3f} ({result.cached_prompt_tokens}/{result.prompt_tokens} "
+              f"prompt tokens cached); {result.answered}/{result.questions} answered at {result.answers_per_s} "
+              f"answers/s; per worker {sorted(result.by_worker.values())}")
+    ratio = rates["semantic_hash"] / rates["round_robin"] if rates["round_robin"] else float("inf")
+    print(f"semantic_hash / round_robin = {ratio:.2f}x (target >= 1.8x)")
+    return 0
