@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from engine.attention import Segment
 
+CHAIN_HEX = 16  # hex digits of a block hash kept in a record: 64 bits, plenty to tell prefixes apart
+
 
 def forward_summary(step: int, question_ids: list[str], segments: list[Segment], block_size: int,
-                    routing: bool = False) -> dict:
-    """One `forward.mask` record: per question its rows, positions, kv length and blocks."""
+                    routing: bool = False, prefixes: list[list[bytes]] | None = None) -> dict:
+    """One `forward.mask` record: per question its rows, positions, kv length and blocks.
+
+    `prefixes[i]`: the hash chain of segment i's leading cached (read-only, shareable) blocks; a
+    segment with one gets `shared_prefix_len` (tokens) and `prefix_chain` (short hashes).
+    """
     record = {
         "forward": step,
         "tokens": sum(s.q_len for s in segments),
@@ -23,6 +29,10 @@ def forward_summary(step: int, question_ids: list[str], segments: list[Segment],
             for qid, seg in zip(question_ids, segments)
         ],
     }
+    for seg, chain in zip(record["segments"], prefixes or ()):
+        if chain:
+            seg["shared_prefix_len"] = len(chain) * block_size
+            seg["prefix_chain"] = [h.hex()[:CHAIN_HEX] for h in chain]
     if routing:
         record["routing"] = routing_table(record)
     return record
@@ -39,9 +49,14 @@ def routing_table(record: dict) -> list[list]:
 
 
 def violations(record: dict) -> list[str]:
-    """Every broken isolation invariant in one forward record; empty when all hold."""
+    """Every broken isolation invariant in one forward record; empty when all hold.
+
+    A block may appear in two segments only as a shared prefix block: at the same index of both,
+    under the same chain hash (same salt -- tenant, adapter, model -- and the same tokens up to its
+    end), and below both segments' writes.
+    """
     problems = []
-    next_row, owners = 0, {}
+    next_row, owners, shared = 0, {}, {}
     for seg in record["segments"]:
         qid, (row_start, row_end), (pos_start, pos_end) = seg["question_id"], seg["rows"], seg["positions"]
         if row_start != next_row:
@@ -53,9 +68,26 @@ def violations(record: dict) -> list[str]:
             problems.append(f"{qid}: kv_len {seg['kv_len']} != last position + 1 ({pos_end})")
         if len(seg["blocks"]) * record["block_size"] < seg["kv_len"]:
             problems.append(f"{qid}: {len(seg['blocks'])} blocks cannot hold {seg['kv_len']} tokens")
-        for block in seg["blocks"]:
-            if owners.setdefault(block, qid) != qid:
-                problems.append(f"block {block} is held by both {owners[block]} and {qid}")
+        problems += _block_problems(seg, record["block_size"], owners, shared)
     if next_row != record["tokens"]:
         problems.append(f"segments cover {next_row} rows of {record['tokens']}")
+    return problems
+
+
+def _block_problems(seg: dict, block_size: int, owners: dict, shared: dict) -> list[str]:
+    """`owners`: private block -> question; `shared`: shared block -> (index, chain hash, first reader)."""
+    qid, problems = seg["question_id"], []
+    chain = seg.get("prefix_chain") or []
+    if len(chain) * block_size > seg["positions"][0]:
+        problems.append(f"{qid}: writes position {seg['positions'][0]} inside its read-only shared prefix")
+    for i, block in enumerate(seg["blocks"]):
+        if i < len(chain):
+            index, digest, reader = shared.setdefault(block, (i, chain[i], qid))
+            if (index, digest) != (i, chain[i]):
+                problems.append(f"block {block} is read by {reader} and {qid} under different prefixes")
+            if block in owners:
+                problems.append(f"block {block} is held by both {owners[block]} and {qid}")
+        elif owners.setdefault(block, qid) != qid or block in shared:
+            other = owners[block] if owners[block] != qid else shared[block][2]
+            problems.append(f"block {block} is held by both {other} and {qid}")
     return problems

@@ -22,6 +22,7 @@ from engine.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from engine.adapter_pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.adapters import AdapterError, LoraAdapter
 from engine.options import EngineOptions
+from engine.prefix_cache import prefix_salt
 from engine.prompt import encode_prompt
 from engine.routing import Router
 from engine.runner import ModelRunner
@@ -114,6 +115,8 @@ class EngineCore:
             adapter=question.adapter,
             lora=lora,
         )
+        if self.options.prefix_caching:
+            seq.cache_salt = self._prefix_salt(question, seq)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         try:
             self.scheduler.add(seq)
@@ -124,6 +127,10 @@ class EngineCore:
         self._questions[qid], self._sequences[qid] = question, seq
         self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
         return seq
+
+    def _prefix_salt(self, question: QuestionEvent, seq: Sequence) -> bytes:
+        tenant = question.tenant if self.options.prefix_scope == "tenant" else None
+        return prefix_salt(str(self.model.path), tenant, question.cache_salt, seq.cache_namespace)
 
     def cancel(self, question_id: str) -> bool:
         return self.scheduler.cancel(question_id)
@@ -205,12 +212,14 @@ class EngineCore:
             text=stream.text,
             token_ids=output_ids,
             finish_reason=seq.status.finish_reason,
-            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids)),
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids),
+                        cached_prompt_tokens=seq.cached_prompt_tokens),
             timings=_timings(seq),
             audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
                         steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
                         routing_bucket=seq.routing_bucket,
-                        defaults_version=seq.params.defaults_version),
+                        defaults_version=seq.params.defaults_version,
+                        cached_prompt_tokens=seq.cached_prompt_tokens),
         )
 
     def _audit(self, plan, segments) -> None:
@@ -218,7 +227,8 @@ class EngineCore:
         if not self.options.audit:
             return
         record = forward_summary(self.num_forwards, [c.seq.question_id for c in plan.chunks], segments,
-                                 self.block_size, routing=self.options.debug)
+                                 self.block_size, routing=self.options.debug,
+                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in plan.chunks])
         problems = violations(record)
         if problems:
             log.error("forward.isolation_violation", problems=problems, **record)

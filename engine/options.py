@@ -24,6 +24,8 @@ class EngineOptions:
     length_aware: bool = False
     early_stop: bool = True  # evict a finished question the step it ends
     deterministic: bool = False  # bitwise-identical logits whatever shares the forward (slower)
+    prefix_caching: bool = False  # isolation.level: shared -- reuse cached full prompt blocks
+    prefix_scope: str = "tenant"  # tenant: a cached prefix serves only its own tenant (and cache_salt) | global
     kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | int8 (per token and head scales)
     audit: bool = False  # log a `forward.mask` summary per forward
     debug: bool = False  # add the token-level routing table to each summary
@@ -37,9 +39,6 @@ class EngineOptions:
     @classmethod
     def from_config(cls, cfg, worker: str = "kev") -> "EngineOptions":
         """Map a schemas.KevConfig onto the engine's options."""
-        if cfg.isolation.level != "strict":
-            raise ValueError("isolation.level: 'shared' (a read-only shared prefix) is not implemented yet; "
-                             "use 'strict'")
         s = cfg.sampling
         return cls(
             max_batch_size=cfg.router.max_parallel_queries,
@@ -58,6 +57,8 @@ class EngineOptions:
             early_stop=cfg.scheduler.early_stop,
             deterministic=cfg.isolation.deterministic,
             kv_dtype=cfg.kv_cache.dtype,
+            prefix_caching=cfg.isolation.level == "shared",
+            prefix_scope=cfg.isolation.prefix_scope,
             audit=cfg.isolation.debug or cfg.logging.level == "debug",
             debug=cfg.isolation.debug,
             worker=worker,

@@ -21,6 +21,7 @@ class ErrorInfo(Struct, frozen=True):
 class Usage(Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache (OpenAI: prompt_tokens_details.cached_tokens)
 
 
 class Timings(Struct, frozen=True):
@@ -40,6 +41,7 @@ class Audit(Struct, frozen=True):
     routing_bucket: int | None = None
     adapter: str | None = None
     defaults_version: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the (tenant-scoped) prefix cache
 
 
 class AnswerEvent(Struct, frozen=True):

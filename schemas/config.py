@@ -55,6 +55,7 @@ class RouterConfig(_Section):
 
 class IsolationConfig(_Section):
     level: Literal["strict", "shared"] = "strict"
+    prefix_scope: Literal["tenant", "global"] = "tenant"  # who may share a cached prefix (level: shared)
     shared_prefix: str = ""
     deterministic: bool = False
     debug: bool = False

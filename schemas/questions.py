@@ -61,6 +61,7 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     messages: tuple[Message, ...] | None = None
     request_id: str | None = None
     tenant: str | None = None
+    cache_salt: str | None = None  # prefix cache scope within the tenant: only equal salts share a prefix
     system: str | None = None
     params: Params = Params()
     adapter: str | None = None

@@ -111,11 +111,12 @@ def smollm2():
 
 @dataclass
 class Q:
-    """One question for the harness: its id, prompt token ids and Params fields."""
+    """One question for the harness: its id, prompt token ids, Params fields and other event fields."""
 
     qid: str
     prompt_ids: list[int]
     params: dict = field(default_factory=dict)
+    event: dict = field(default_factory=dict)  # e.g. tenant, cache_salt, adapter
 
 
 @dataclass
@@ -158,7 +159,7 @@ def run_core(model, questions: list[Q], options=None, *, later: dict[int, list] 
     current: list = []
 
     def add(q: Q) -> None:
-        event = QuestionEvent(question_id=q.qid, prompt="(token ids)", params=Params(**q.params))
+        event = QuestionEvent(question_id=q.qid, prompt="(token ids)", params=Params(**q.params), **q.event)
         core.add(event, prompt_ids=list(q.prompt_ids))
         out.logits[q.qid] = []
 

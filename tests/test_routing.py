@@ -40,12 +40,13 @@ def test_every_strategy_stays_in_range_and_unknown_ones_are_refused():
         Router("random", buckets=8)
 
 
-def test_config_maps_routing_and_default_deadline_and_refuses_shared_isolation():
+def test_config_maps_routing_and_default_deadline_and_shared_isolation():
     from engine import EngineOptions
     from schemas import config_from_dict
 
     options = EngineOptions.from_config(config_from_dict(
         {"router": {"strategy": "semantic_hash", "channel_pool_size": 8}, "aggregator": {"timeout_ms": 1234}}))
     assert (options.routing_strategy, options.routing_buckets, options.default_timeout_ms) == ("semantic_hash", 8, 1234)
-    with pytest.raises(ValueError, match="not implemented"):
-        EngineOptions.from_config(config_from_dict({"isolation": {"level": "shared"}}))
+    shared = EngineOptions.from_config(config_from_dict({"isolation": {"level": "shared"}}))
+    assert (shared.prefix_caching, shared.prefix_scope) == (True, "tenant")
+    assert not EngineOptions.from_config(config_from_dict({})).prefix_caching

@@ -433,6 +433,53 @@ def test_a_preempted_question_is_admitted_before_any_fresh_one(policy):
     assert (b.block_ids, eager.block_ids) == ([0, 1, 2], [3])
 
 
+def test_a_preempted_question_comes_back_only_with_a_free_block_margin():
+    """Back with its 3 blocks into a pool with exactly 3 free, c would be preempted again as soon as b
+    grows (thrash); it waits for its blocks plus one per running question."""
+    sched = make(num_blocks=6, block_size=4)
+    a, b = question("a", 7, arrival=1, max_new=3), question("b", 7, arrival=2, max_new=7)
+    c = question("c", 7, arrival=3, max_new=8)
+    add(sched, a, b, c)
+    step(sched)
+    step(sched)
+    plan = step(sched)  # a's and b's 9th tokens: c, the newest, makes room; a then ends
+    assert plan.preempted == [c] and (a.status, b.block_ids) == (Status.LENGTH, [2, 3, 5])
+    for _ in range(3):  # 3 blocks free, c needs 3 + 1 for running b: it waits while b runs
+        assert shape(step(sched)) == [("b", b.num_computed_tokens - 1, 1, True)] and sched.pool.num_free == 3
+    step(sched)
+    assert b.status == Status.LENGTH and c.status == Status.PREEMPTED
+    plan = step(sched)
+    assert shape(plan) == [("c", 0, 9, True)] and c.block_ids == [0, 1, 2]
+    while sched.has_work:
+        step(sched)
+        sched.take_finished()
+    assert sched.num_preemptions == 1 and c.output_ids == [TOKEN] * 8
+
+
+def test_a_question_that_does_not_fit_lets_later_ones_go_a_bounded_number_of_times():
+    sched = make(num_blocks=8, block_size=4, max_overtakes=2)
+    a = question("a", 17, arrival=1, max_new=50)
+    add(sched, a)
+    step(sched)
+    assert a.block_ids == [0, 1, 2, 3, 4]
+    big, s1 = question("big", 14, arrival=2), question("s1", 1, arrival=3)  # big needs 4 blocks, 3 are free
+    add(sched, big, s1)
+    assert shape(step(sched)) == [("a", 17, 1, True), ("s1", 0, 1, True)]
+    assert (s1.block_ids, big.overtaken, big.status) == ([5], 1, Status.WAITING)
+    s2 = question("s2", 1, arrival=4)
+    add(sched, s2)
+    assert shape(step(sched))[-1] == ("s2", 0, 1, True)
+    assert (s2.block_ids, big.overtaken) == ([6], 2)
+    s3 = question("s3", 1, arrival=5)
+    add(sched, s3)
+    step(sched)  # block 7 is free and s3 would fit, but big has been passed over twice: s3 waits behind it
+    assert s3.status == Status.WAITING and sched.pool.num_free == 1
+    step(sched, {"a": EOS})
+    plan = step(sched)
+    assert shape(plan)[-2:] == [("big", 0, 14, True), ("s3", 0, 1, True)]
+    assert (big.block_ids, s3.block_ids) == ([1, 2, 3, 4], [7])
+
+
 def test_preemption_under_pressure_never_fails_the_batch():
     sched = make(num_blocks=6, block_size=2, max_running=4)
     seqs = [question(f"q{i}", 3 + i, arrival=i, max_new=6) for i in range(4)]

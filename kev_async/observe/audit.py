@@ -169,7 +169,7 @@ def check_log(log: AuditLog) -> CheckReport:
             start = seg["positions"][0]
             if key in last_end:
                 previous, prev_where = last_end[key]
-                if start == 0 and previous > 0:
+                if start in (0, shared) and start < previous:  # preempted: recomputed past its cached prefix
                     report.restarts += 1
                 elif start > previous:
                     found.append(f"{qid}: positions start at {start}, but its previous forward ({prev_where}) "

@@ -64,6 +64,8 @@ class Metrics:
             self.answers.labels(reason)
         self.errors = Counter("kev_errors", "Error answers, by error code.", ["code"], registry=r)
         self.prompt_tokens = Counter("kev_prompt_tokens", "Prompt tokens of answered questions.", registry=r)
+        self.cached_prompt_tokens = Counter("kev_cached_prompt_tokens", "Prompt tokens of answered questions "
+                                            "read from the prefix cache.", registry=r)
         self.live = _LiveCollector()
         r.register(self.live)
 
@@ -96,6 +98,7 @@ class Metrics:
         """Count the answer, time it, and write its canonical log line."""
         self.answers.labels(answer.finish_reason).inc()
         self.prompt_tokens.inc(answer.usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(answer.usage.cached_prompt_tokens)
         if answer.error is not None:
             self.errors.labels(answer.error.code).inc()
         else:  # an error answer never ran: its timings are zeros, not latencies
@@ -240,11 +243,15 @@ class _LiveCollector:
         if core is not None:
             scheduler, pool = core.scheduler, core.pool
             gauges = {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                      "used": pool.num_used, "free": pool.num_free}
+                      "used": pool.num_used, "free": pool.num_free, "cached": pool.num_cached,
+                      "hit_rate": scheduler.cached_tokens_admitted / max(1, scheduler.prompt_tokens_admitted)}
         for key, name, text in (("running", "kev_running_questions", "Questions in the running batch."),
                                 ("waiting", "kev_waiting_questions", "Questions queued for the batch."),
                                 ("used", "kev_kv_blocks_used", "KV blocks held by questions."),
-                                ("free", "kev_kv_blocks_free", "KV blocks free in the pool.")):
+                                ("free", "kev_kv_blocks_free", "KV blocks free in the pool (idle cached ones too)."),
+                                ("cached", "kev_kv_blocks_cached", "KV blocks in the prefix cache, held or idle."),
+                                ("hit_rate", "kev_prefix_cache_hit_rate",
+                                 "Prompt tokens read from the prefix cache / prompt tokens admitted.")):
             family = GaugeMetricFamily(name, text)
             if key in gauges:
                 family.add_metric([], gauges[key])
