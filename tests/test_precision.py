@@ -1,0 +1,140 @@
+"""Reduced precision: bf16, weight-only int8, int8 KV. Precision may change an answer; a neighbour may not.
+
+Tolerances are fractions of the largest fp32 logit (the tiny models' logits reach about 3), each
+about twice what was measured on these models, so they catch a broken path (errors of order 1) and
+not rounding:
+- bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2 %); weights, activations and every
+  matmul output are rounded, a few dozen roundings deep: measured 1.6-2 %, tolerance 4 %.
+- int8 weights round every weight (the embedding too) by up to max|row| / 254, 0.4 % of the row's
+  largest, a systematic error per output channel, and the kernel runs its activations in bf16:
+  measured 4-5 %, tolerance 8 %.
+- int8 KV rounds each key/value by up to max|head| / 254, only inside attention: measured 1-2.3 %,
+  tolerance 4 %.
+The real model's agreement (same greedy answers, logit difference) is `kev bench precision`'s job.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from engine import EngineCore, EngineOptions
+from engine.kv_cache import KVCache, plan_num_blocks
+from engine.quant import Int8Weight
+
+PRECISIONS = {  # name -> (model dtype, int8 weights, kv dtype)
+    "bf16": (torch.bfloat16, False, "auto"),
+    "int8-weights": (torch.float32, True, "auto"),
+    "int8-kv": (torch.float32, False, "int8"),
+}
+TOLERANCE = {"bf16": 0.04, "int8-weights": 0.08, "int8-kv": 0.04}  # x the largest |fp32 logit|
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, harness, smollm2_tokenizer):
+    """Per precision, a Kev model of the qwen3-tied tiny (q/k norms, tied head: the int8 head is the
+    int8 embedding) and of the llama tiny (untied head, own int8 embedding)."""
+    built = {}
+    for kind in ("qwen3-tied", "llama"):
+        hf = tiny_models[kind].hf
+        for name, (dtype, int8, _kv) in PRECISIONS.items():
+            model = harness.kev_model_from_hf(hf, smollm2_tokenizer, dtype=dtype, name=f"tiny-{kind}-{name}")
+            if int8:
+                model.weights.quantize_int8()
+            built[kind, name] = model
+        built[kind, "fp32"] = tiny_models[kind].kev
+    return built
+
+
+def victim(harness):
+    return harness.Q("victim", harness.random_prompt(random.Random(99), 37),
+                     dict(max_new_tokens=NEW_TOKENS, temperature=0.0))
+
+
+def packed(harness, count=7, seed=3):
+    rng = random.Random(seed)
+    others = [harness.Q(f"n{i}", harness.random_prompt(rng, rng.randint(1, 90)),
+                        dict(max_new_tokens=rng.randint(4, NEW_TOKENS + 4), temperature=0.0)) for i in range(count)]
+    others.insert(rng.randint(0, count), victim(harness))
+    return others
+
+
+def options(harness, name, **overrides):
+    return harness.tiny_options(kv_dtype=PRECISIONS[name][2], **overrides)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-tied", "llama"])
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_first_logits_close_to_fp32(models, harness, kind, name):
+    reference = harness.run_core(models[kind, "fp32"], [victim(harness)], harness.tiny_options())
+    reduced = harness.run_core(models[kind, name], [victim(harness)], options(harness, name))
+    first, ref = reduced.logits["victim"][0], reference.logits["victim"][0]
+    difference = (first - ref).abs().max().item() / ref.abs().max().item()
+    assert 0 < difference <= TOLERANCE[name], f"{name}: first-step logits differ from fp32 by {difference:.1%}"
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_greedy_solo_equals_packed(models, harness, name):
+    model = models["qwen3-tied", name]
+    solo = harness.run_core(model, [victim(harness)], options(harness, name))
+    batch = harness.run_core(model, packed(harness), options(harness, name))
+    assert solo.tokens("victim") == batch.tokens("victim")
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_deterministic_mode_bitwise_in_every_precision(models, harness, name):
+    model = models["qwen3-tied", name]
+    solo = harness.run_core(model, [victim(harness)], options(harness, name, deterministic=True))
+    batch = harness.run_core(model, packed(harness, 11, 5), options(harness, name, deterministic=True))
+    for step, (a, b) in enumerate(zip(solo.logits["victim"], batch.logits["victim"], strict=True)):
+        assert torch.equal(a, b), f"{name}, step {step}: logits differ by {(a - b).abs().max().item():.3e}"
+
+
+def test_int8_weights_hold_int8_and_a_quarter_of_the_bytes(models):
+    full, quantized = models["llama", "fp32"].weights, models["llama", "int8-weights"].weights
+    assert all(isinstance(m, Int8Weight) for m in quantized.matrices())
+    assert quantized.layers[0].qkv.qweight.dtype == torch.int8
+    assert quantized.nbytes < 0.3 * full.nbytes
+
+
+def test_int8_kv_pool_holds_over_3_5x_the_tokens(tiny):
+    spec, budget = tiny.kev.spec, 64 << 20
+    fp32 = plan_num_blocks(spec, torch.float32, torch.device("cpu"), 16, budget_bytes=budget)
+    int8 = plan_num_blocks(spec, torch.int8, torch.device("cpu"), 16, budget_bytes=budget)
+    assert int8 >= 3.5 * fp32
+    cache = KVCache(spec, int8, 16, torch.int8, torch.device("cpu"), torch.float32)
+    assert cache.nbytes <= budget  # scales included
+
+
+def test_int8_kv_engine_stores_int8(models, harness):
+    core = EngineCore(models["llama", "fp32"], harness.tiny_options(kv_dtype="int8"))
+    assert core.kv.k.dtype == torch.int8 and core.kv.k_scale.shape == core.kv.k.shape[:3]
+
+
+def test_config_switches_reach_the_engine(tmp_path):
+    from engine import load_model
+    from schemas.config import config_from_dict
+    from serve_fixtures import build_tiny_model_dir
+
+    cfg = config_from_dict({"core": {"precision": "bf16", "weights": "int8"}, "kv_cache": {"dtype": "int8"}})
+    assert (cfg.core.precision, cfg.core.weights, cfg.kv_cache.dtype) == ("bf16", "int8", "int8")
+    assert EngineOptions.from_config(cfg).kv_dtype == "int8"
+    model = load_model(build_tiny_model_dir(tmp_path), device="cpu", dtype=cfg.core.precision,
+                       weights=cfg.core.weights)
+    assert model.weight_format == "int8" and isinstance(model.weights.layers[0].down, Int8Weight)
+
+
+def test_bf16_without_cpu_flags_falls_back_to_fp32_with_a_log_line(monkeypatch):
+    from engine import cpu_features
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    with capture_logs() as logs:
+        dtype = cpu_features.compute_dtype(torch.bfloat16, torch.device("cpu"))
+    assert dtype == torch.float32
+    assert [entry["event"] for entry in logs] == ["precision.bf16_fallback"]
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert cpu_features.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
