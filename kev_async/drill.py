@@ -127,9 +127,14 @@ async def _drill(run: _Run, out) -> None:
             while len(run.sent) < options.questions or not set(run.sent) <= run.answered():
                 await anyio.sleep(0.2)
         run.note(f"all {options.questions} questions answered", out)
-        await anyio.sleep(2.0)  # late duplicates from redelivery still count
-        if options.route:  # where the router put each question: the positions the workers committed
+        if options.route:  # where the router put each question: the positions the workers commit
             run.sent = await _positions(run.kafka, options.questions)
+        # Answered is not settled: redelivered questions may still be answered again and committed.
+        # Stop the workers once the group's commits cover every question (or say it never happened).
+        settled = await _until_committed(run, timeout=120.0)
+        run.note("the group's commits cover every question" if settled else
+                 "the group's commits did not cover every question within 120 s", out)
+        await anyio.sleep(2.0)  # late duplicates from redelivery still count
         tg.cancel_scope.cancel()
     for worker in run.workers:
         if worker.fate == "running":
@@ -245,6 +250,19 @@ async def _read_answers(run: _Run, *, task_status=anyio.TASK_STATUS_IGNORED) -> 
     finally:
         with anyio.CancelScope(shield=True):
             await consumer.stop()
+
+
+async def _until_committed(run: _Run, timeout: float) -> bool:
+    ends = {}
+    for partition, offset in run.sent.values():
+        ends[partition] = max(ends.get(partition, 0), offset + 1)
+    with anyio.move_on_after(timeout):
+        while True:
+            committed = await _committed(run.kafka)
+            if all((committed.get(p) or 0) >= end for p, end in ends.items()):
+                return True
+            await anyio.sleep(0.5)
+    return False
 
 
 async def _positions(kafka: KafkaConfig, count: int) -> dict[str, tuple[int, int]]:
