@@ -57,6 +57,8 @@ class ModelRunner:
         sample_rows = [s.q_start + s.q_len - 1 for s, c in zip(segments, plan.chunks) if c.sample]
         if not sample_rows:
             return StepOutput([], segments)
-        logits = self.weights.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < hidden.shape[0]:  # a pure decode step samples every row: no gather
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.weights.logits(hidden)
         rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_tokens) for c in plan.sampled_chunks]
         return StepOutput(self.sampler.sample(logits, rows), segments)
