@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from engine.admission_order import admission_order
 from engine.block_pool import BlockPool
-from engine.prefix_cache import chain_hashes
+from engine.prefix_chain import cached_blocks, name_filled_blocks, shared_chain
 from engine.sequence import Sequence, Status
 
 Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
@@ -151,7 +152,7 @@ class Scheduler:
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.length
-            self._name_filled_blocks(seq)
+            name_filled_blocks(self.pool, seq)
             if not chunk.sample:
                 continue
             token = next(tokens)
@@ -232,7 +233,7 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         blocked: list[Sequence] = []  # waiting questions that did not fit this step
-        for seq in self._admission_order():
+        for seq in admission_order(self.waiting, self.running, self.limits.policy, self.limits.length_aware):
             if budget <= 0 or len(self.running) >= self.limits.max_running or not self.pool.num_free:
                 return
             chunk = self._try_admit(seq, budget)
@@ -248,7 +249,7 @@ class Scheduler:
 
     def _try_admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """Admit `seq` with its first chunk if the pool has room for it, reading its cached prefix."""
-        cached = self._cached_prefix(seq)
+        cached = cached_blocks(self.pool, seq)
         seq.num_computed_tokens = len(cached) * self.pool.block_size
         length = self._chunk_length(seq, budget)
         needed = self.pool.blocks_for(seq.num_computed_tokens + length) - len(cached)
@@ -274,54 +275,9 @@ class Scheduler:
         self.running.append(seq)
         return self._chunk(seq, length)
 
-    def _admission_order(self):
-        """Waiting questions in the policy's order; with length-aware grouping, nearest the batch's first."""
-        order = self._ordered(self.waiting)
-        anchored = bool(self.running)
-        for i in range(len(order)):
-            if not anchored and self.running:  # the first one admitted anchors the grouping
-                anchored = True
-                order[i:] = self._ordered(order[i:])
-            yield order[i]
-
-    def _ordered(self, seqs: list[Sequence]) -> list[Sequence]:
-        key = _ADMISSION_ORDER[self.limits.policy]
-        if self.limits.length_aware and self.running:
-            anchor = self.running[0].num_tokens.bit_length()
-            return sorted(seqs, key=lambda s: (abs(s.num_tokens.bit_length() - anchor), key(s)))
-        return sorted(seqs, key=key)
-
-    # -- the prefix cache ---------------------------------------------------------------------------
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of `seq`'s leading full prompt blocks; never all its tokens (one draws)."""
-        if seq.cache_salt is None:
-            return []
-        if seq.prefix_hashes is None:
-            seq.prefix_hashes = chain_hashes(seq.cache_salt, seq.prompt_ids, self.pool.block_size)
-        usable = min(len(seq.prefix_hashes), (seq.num_tokens - 1) // self.pool.block_size)
-        return self.pool.lookup(seq.prefix_hashes[:usable])
-
-    def _name_filled_blocks(self, seq: Sequence) -> None:
-        """Cache the prompt blocks this step filled. Only prompt blocks: a generated token's K/V may be
-        computed along another path (deterministic mode's decode path), so it is never served."""
-        hashes = seq.prefix_hashes
-        if not hashes or seq.num_registered >= len(hashes):
-            return
-        filled = min(seq.num_computed_tokens // self.pool.block_size, len(hashes))
-        for i in range(seq.num_registered, filled):
-            if not self.pool.register(seq.block_ids[i], hashes[i]):
-                seq.num_registered = len(hashes)  # computed twice at once: the rest of its chain stays private
-                return
-        seq.num_registered = filled
-
     def shared_prefix(self, seq: Sequence) -> list[bytes]:
-        """Hashes of `seq`'s leading blocks that are cached under its own chain: read-only, shareable."""
-        chain = []
-        for block_id, block_hash in zip(seq.block_ids, seq.prefix_hashes or ()):
-            if self.pool.cache.hash_of(block_id) != block_hash:
-                break
-            chain.append(block_hash)
-        return chain
+        """The chain of `seq`'s leading cached blocks (read-only, shareable), for the isolation audit."""
+        return shared_chain(self.pool, seq)
 
     def _schedule_lingering(self, plan: StepPlan, budget: int) -> None:
         if not self.lingering:
@@ -366,10 +322,3 @@ def _keep_order(seq: Sequence) -> tuple:
     # Most important first; preemption takes from the end (lowest priority, then newest).
     return (-seq.priority, seq.arrival)
 
-
-_ADMISSION_ORDER: dict[str, Callable[[Sequence], tuple]] = {
-    # Preempted questions go first in every policy: they already waited once.
-    "fcfs": lambda s: (s.status != Status.PREEMPTED, s.arrival),
-    "shortest_prompt_first": lambda s: (s.status != Status.PREEMPTED, s.num_tokens, s.arrival),
-    "priority": lambda s: (s.status != Status.PREEMPTED, -s.priority, s.arrival),
-}
