@@ -28,10 +28,8 @@ ERROR_STATUS = {"invalid_field": 400, "empty_prompt": 400, "too_large": 400, "pr
 
 def usage(answer: AnswerEvent) -> dict[str, Any]:
     prompt, completion = answer.usage.prompt_tokens, answer.usage.completion_tokens
-    # Prefix caching may add a cached count to Usage; until an answer carries one, nothing was cached.
-    cached = getattr(answer.usage, "cached_prompt_tokens", None) or getattr(answer.usage, "cached_tokens", 0) or 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": answer.usage.cached_prompt_tokens}}
 
 
 def finish_reason(answer: AnswerEvent) -> str:
