@@ -151,6 +151,8 @@ async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     assert value(scraped, "kev_step_batch_size_sum") >= completion  # each token came from some question's pass
     assert value(scraped, "kev_kv_blocks_used") == 0
     assert value(scraped, "kev_kv_blocks_free") == OPTIONS.num_blocks
+    assert value(scraped, "kev_kv_blocks_cached") == value(scraped, "kev_prefix_cache_hit_rate") == 0  # strict
+    assert value(scraped, "kev_cached_prompt_tokens_total") == 0
     assert value(scraped, "kev_running_questions") == value(scraped, "kev_waiting_questions") == 0
     assert value(scraped, "kev_preemptions_total") == 0
     assert {dict(ls)["mailbox"] for n, ls in scraped if n == "kev_mailbox_depth"} == {"engine.questions",

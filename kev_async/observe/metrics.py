@@ -188,6 +188,7 @@ def answer_fields(answer: AnswerEvent, source: Any, log_prompts: bool) -> dict[s
         "partition": getattr(source, "partition", None), "offset": getattr(source, "offset", None),
         "finish_reason": answer.finish_reason, "error": answer.error.code if answer.error else None,
         "prompt_tokens": answer.usage.prompt_tokens, "completion_tokens": answer.usage.completion_tokens,
+        "cached_prompt_tokens": answer.usage.cached_prompt_tokens,
         "queued_ms": answer.timings.queued_ms, "ttft_ms": answer.timings.ttft_ms, "e2e_ms": answer.timings.e2e_ms,
         "worker": answer.audit.worker, "channel": answer.audit.channel, "blocks": list(answer.audit.blocks),
         "routing_bucket": answer.audit.routing_bucket,
