@@ -26,7 +26,6 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from consumers import EmbeddedBroker, create_topics, topic_plan
 from kev_async.bench.questions import QUESTIONS
-from kev_async.deploy import cpu_share
 from kev_async.drill_checks import DrillResult, check_run, log_events
 from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 
@@ -45,7 +44,7 @@ class DrillOptions:
     model: str = "smollm2-135m-instruct"
     workdir: Path = Path("kev-drill")
     faults: bool = True  # False: a plain throughput run (the scaling table)
-    pin: bool = False  # pin worker i to its share of the cores (one core each when workers <= cores)
+    pin: bool = False  # pin worker i to core i mod cores (each worker runs one torch thread)
     startup_timeout_s: float = 180.0
     answer_timeout_s: float = 600.0
     route: str | None = None  # a strategy: publish to the intake topic and run `kev route`'s loop in process
@@ -198,7 +197,8 @@ def _spawn(run: _Run, out) -> None:
         "KEV_KAFKA__COMMIT_INTERVAL_MS": str(kafka.commit_interval_ms), "KEV_KAFKA_SESSION_TIMEOUT_MS": "3000",
         "KEV_KV_CACHE__NUM_BLOCKS": "512", **options.worker_env,
     })
-    cpus = cpu_share(sorted(os.sched_getaffinity(0)), index % options.workers, options.workers) if options.pin else None
+    cores = sorted(os.sched_getaffinity(0))
+    cpus = {cores[index % len(cores)]} if options.pin else None  # one core each, as KEV_CORE__THREADS=1 uses
     log_path = options.workdir / f"{name}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(

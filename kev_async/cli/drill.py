@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     drill.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf or built-in name")
     drill.add_argument("--workdir", default="kev-drill", help="where worker logs and report.json go")
     drill.add_argument("--no-faults", action="store_true", help="no kills or stops: measure answers/s")
-    drill.add_argument("--pin", action="store_true", help="pin worker i to its share of the cores")
+    drill.add_argument("--pin", action="store_true", help="pin worker i to core i mod cores (one torch thread each)")
     drill.set_defaults(func=_drill)
 
 
