@@ -126,14 +126,23 @@ def _rows(variants: list[Variant]) -> list[dict]:
         core = v.pipe.core
         kv_per_token = core.kv.nbytes // (core.kv.num_blocks * core.kv.block_size)
         same = sum(a == b for a, b in zip(v.answers, base.answers))
+        agree = [_common_prefix(a, b) for a, b in zip(v.answers, base.answers) if a != b]
         diff = max((a - b).abs().max().item() for a, b in zip(v.first_logits, base.first_logits))
         rows.append(dict(variant=v.name, dtype=str(v.model.dtype).removeprefix("torch."),
                          tokens_per_s=v.rate, speedup=v.rate / base.rate,
                          weights_mib=v.model.weights.nbytes / 2**20, kv_bytes_per_token=kv_per_token,
                          kv_tokens_per_mib=2**20 / kv_per_token, identical=same, questions=len(v.answers),
-                         max_first_logit_diff=diff, kv_dtype=str(core.kv.k.dtype).removeprefix("torch.")))
+                         max_first_logit_diff=diff, diverge_median=statistics.median(agree) if agree else None,
+                         kv_dtype=str(core.kv.k.dtype).removeprefix("torch.")))
     del torch
     return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _report(rows: list[dict], model_name: str, questions: int, max_new_tokens: int, out) -> None:
@@ -144,9 +153,11 @@ def _report(rows: list[dict], model_name: str, questions: int, max_new_tokens: i
     out(f"model {model_name}, {questions} questions at once, <= {max_new_tokens} new tokens, greedy, "
         f"torch threads {torch.get_num_threads()}, {cpu_name()}")
     out("| variant | compute | KV | tokens/s | x fp32 | weights MiB | KV bytes/token | KV tokens/MiB | "
-        "identical to fp32 | max first-step logit diff |")
-    out("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        "identical to fp32 | others diverge at token (median) | max first-step logit diff |")
+    out("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        diverge = "-" if r["diverge_median"] is None else f"{r['diverge_median']:.0f}"
         out(f"| {r['variant']} | {r['dtype']} | {r['kv_dtype']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
             f"{r['weights_mib']:.0f} | {r['kv_bytes_per_token']} | {r['kv_tokens_per_mib']:.0f} | "
-            f"{r['identical']}/{r['questions']} | {r['max_first_logit_diff']:.3f} |")
+            f"{r['identical']}/{r['questions']} | {diverge} | "
+            f"{r['max_first_logit_diff']:.3f} |")
