@@ -225,7 +225,7 @@ class Scheduler:
         self.running.remove(seq)
         heapq.heappush(self._free_channels, seq.channel)
         self.pool.release(seq.question_id, seq.block_ids)
-        seq.num_computed_tokens = seq.num_registered = 0
+        seq.num_computed_tokens = seq.num_registered = seq.overtaken = 0
         seq.status = Status.PREEMPTED
         self.waiting.append(seq)
         plan.preempted.append(seq)
