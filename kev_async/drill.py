@@ -13,6 +13,7 @@ engines here are memory:// and s3://), so a restart would lose the topics and th
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ class DrillOptions:
     startup_timeout_s: float = 180.0
     answer_timeout_s: float = 600.0
     route: str | None = None  # a strategy: publish to the intake topic and run `kev route`'s loop in process
-    system_prompts: tuple[str, ...] = ()  # question i gets system prompt i % len (none when empty)
+    system_prompts: tuple[str, ...] = ()  # each question gets one at random (seeded); none when empty
     worker_env: dict[str, str] = field(default_factory=dict)  # extra KEV_* settings for every worker
 
 
@@ -222,10 +223,11 @@ async def _publish_over_time(run: _Run, out) -> None:
     await producer.start()
     try:
         gap = options.spread_s / max(1, options.questions)
+        chooser = random.Random(0)  # random, not cyclic: a cycle would line up with round_robin's own cycle
         begin = time.monotonic()
         for i in range(options.questions):
             qid = f"drill-{i:04d}"
-            system = options.system_prompts[i % len(options.system_prompts)] if options.system_prompts else None
+            system = chooser.choice(options.system_prompts) if options.system_prompts else None
             question = QuestionEvent(question_id=qid, prompt=QUESTIONS[i % len(QUESTIONS)], system=system,
                                      params=Params(max_new_tokens=options.max_new_tokens, temperature=0.0))
             topic = run.kafka.intake_topic if options.route else run.kafka.questions_topic

@@ -37,8 +37,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--partitions", type=int, default=2)
     routing.add_argument("--system-prompts", type=int, default=4)
     routing.add_argument("--max-new-tokens", type=int, default=8)
-    routing.add_argument("--num-blocks", type=int, default=48, help="each worker's KV pool: small, so the cache "
-                                                                    "cannot hold every prefix")
+    routing.add_argument("--num-blocks", type=int, default=56, help="each worker's KV pool: room for the running "
+                                                                    "questions and about two idle prefixes, not four")
+    routing.add_argument("--max-parallel", type=int, default=2, help="router.max_parallel_queries per worker: "
+                                                                      "few running questions keep few prefixes alive")
     routing.add_argument("--spread", type=float, default=20.0)
     routing.add_argument("--workdir", default="kev-bench-routing")
     routing.set_defaults(func=_cli)
@@ -58,7 +60,8 @@ def _cli(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens, spread_s=args.spread, model=args.model,
             workdir=Path(args.workdir) / strategy, faults=False, route=strategy,
             system_prompts=system_prompts(args.system_prompts),
-            worker_env={"KEV_ISOLATION__LEVEL": "shared", "KEV_KV_CACHE__NUM_BLOCKS": str(args.num_blocks)})
+            worker_env={"KEV_ISOLATION__LEVEL": "shared", "KEV_KV_CACHE__NUM_BLOCKS": str(args.num_blocks),
+                        "KEV_ROUTER__MAX_PARALLEL_QUERIES": str(args.max_parallel)})
         result = anyio.run(run_drill, options, lambda line: None, backend="asyncio")
         rates[strategy] = result.cached_prompt_tokens / max(1, result.prompt_tokens)
         print(f"{strategy:14} hit rate {rates[strategy]:.3f} ({result.cached_prompt_tokens}/{result.prompt_tokens} "
