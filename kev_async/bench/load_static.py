@@ -116,7 +116,8 @@ def run_static(hf, model, trace: list[TraceQuestion], batch_size: int, timeout_s
             batch, waiting = waiting[:batch_size], waiting[batch_size:]
             outcomes += generate_batch(hf, model, batch, prompts, t0)
         else:
-            time.sleep(max(0.0, min([starts_at] + [p.arrival_s for p in list(pending)[:1]]) - now))
+            next_arrival = pending[0].arrival_s if pending else starts_at
+            time.sleep(max(0.0, min(starts_at, next_arrival) - now))
     by_id = {o.qid: o for o in outcomes}
     return SystemRun(f"transformers static (batch {batch_size})", [by_id[q.qid] for q in trace],
                      {"batch_size": batch_size, "batch_timeout_s": timeout_s})

@@ -178,11 +178,12 @@ def solo_reference(model, options, trace: list[TraceQuestion], cache_path: Path 
             f"({len(trace) - len(missing)} cached)")
         solo = dataclasses.replace(options, batch_window_ms=0.0)
         pipe = IsolatedBatchPipeline(model, max_batch_size=1, options=solo)
-        for q, answer in zip(missing, pipe.run([question_event(q) for q in missing])):
+        for i, q in enumerate(missing):
+            answer = pipe.run([question_event(q)])[0]
             cache[keys[q.qid]] = {"token_ids": list(answer.token_ids), "text": answer.text}
-        if cache_path:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cache))
+            if cache_path and (i % 8 == 7 or i == len(missing) - 1):  # an interrupted run keeps what it did
+                cache_path.parent.mkdir(parents=True, exist_ok=True)
+                cache_path.write_text(json.dumps(cache))
     return Reference({q.qid: cache[keys[q.qid]]["token_ids"] for q in trace},
                      {q.qid: cache[keys[q.qid]]["text"] for q in trace})
 
