@@ -37,7 +37,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--partitions", type=int, default=2)
     routing.add_argument("--system-prompts", type=int, default=4)
     routing.add_argument("--max-new-tokens", type=int, default=8)
-    routing.add_argument("--num-blocks", type=int, default=56, help="each worker's KV pool: room for the running "
+    routing.add_argument("--num-blocks", type=int, default=30, help="each worker's KV pool: room for the running "
                                                                     "questions and about two idle prefixes, not four")
     routing.add_argument("--max-parallel", type=int, default=2, help="router.max_parallel_queries per worker: "
                                                                       "few running questions keep few prefixes alive")
