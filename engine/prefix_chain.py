@@ -21,6 +21,23 @@ def cached_blocks(pool: BlockPool, seq: Sequence) -> list[int]:
     return pool.lookup(seq.prefix_hashes[:usable])
 
 
+def blocks_in_flight(running: list[Sequence]) -> set[bytes]:
+    """Hashes of prompt blocks that running questions are computing and will name once filled."""
+    return {h for seq in running if seq.prefix_hashes for h in seq.prefix_hashes[seq.num_registered:]}
+
+
+def awaits_prefix(pool: BlockPool, seq: Sequence, cached: list[int], in_flight: set[bytes]) -> bool:
+    """True when the next block `seq` would compute is being computed by a running question.
+
+    Then `seq` waits a step or two and reads it, instead of computing the same prefix a second time
+    (what happens when many questions on one system prompt arrive together).
+    """
+    if not seq.prefix_hashes:
+        return False
+    usable = min(len(seq.prefix_hashes), (seq.num_tokens - 1) // pool.block_size)
+    return len(cached) < usable and seq.prefix_hashes[len(cached)] in in_flight
+
+
 def name_filled_blocks(pool: BlockPool, seq: Sequence) -> None:
     """Cache the prompt blocks `seq` has filled so far (call after each forward).
 

@@ -12,7 +12,7 @@ from typing import Callable, Literal
 
 from engine.admission_order import admission_order
 from engine.block_pool import BlockPool
-from engine.prefix_chain import cached_blocks, name_filled_blocks, shared_chain
+from engine.prefix_chain import awaits_prefix, blocks_in_flight, cached_blocks, name_filled_blocks, shared_chain
 from engine.sequence import Sequence, Status
 
 Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
@@ -233,10 +233,14 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         blocked: list[Sequence] = []  # waiting questions that did not fit this step
+        in_flight = blocks_in_flight(self.running)
         for seq in admission_order(self.waiting, self.running, self.limits.policy, self.limits.length_aware):
             if budget <= 0 or len(self.running) >= self.limits.max_running or not self.pool.num_free:
                 return
-            chunk = self._try_admit(seq, budget)
+            cached = cached_blocks(self.pool, seq)
+            if awaits_prefix(self.pool, seq, cached, in_flight):
+                continue  # its next block is being computed right now: read it soon rather than compute it too
+            chunk = self._try_admit(seq, budget, cached)
             if chunk is None:
                 blocked.append(seq)
                 if seq.overtaken >= self.limits.max_overtakes:
@@ -246,10 +250,10 @@ class Scheduler:
                 waiting.overtaken += 1
             plan.chunks.append(chunk)
             budget -= chunk.length
+            in_flight |= blocks_in_flight([seq])
 
-    def _try_admit(self, seq: Sequence, budget: int) -> Chunk | None:
-        """Admit `seq` with its first chunk if the pool has room for it, reading its cached prefix."""
-        cached = cached_blocks(self.pool, seq)
+    def _try_admit(self, seq: Sequence, budget: int, cached: list[int]) -> Chunk | None:
+        """Admit `seq` with its first chunk if the pool has room for it, reading the `cached` blocks."""
         seq.num_computed_tokens = len(cached) * self.pool.block_size
         length = self._chunk_length(seq, budget)
         needed = self.pool.blocks_for(seq.num_computed_tokens + length) - len(cached)

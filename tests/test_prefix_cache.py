@@ -71,6 +71,17 @@ def test_a_later_question_reads_the_leading_full_blocks_and_computes_the_rest():
     assert (sched.prompt_tokens_admitted, sched.cached_tokens_admitted) == (25, 8)
 
 
+def test_questions_arriving_together_compute_their_common_prefix_once():
+    sched = make(max_tokens_per_step=8)
+    a, b = question("a", SYSTEM + [1, 2], arrival=1), question("b", SYSTEM + [3], arrival=2)
+    c = question("c", list(range(50, 55)), arrival=3)  # shares nothing: not held back
+    for seq in (a, b, c):
+        sched.add(seq)
+    assert shape(step(sched)) == [("a", 0, 8, False)]  # b waits for the blocks a is computing; c: no budget
+    assert shape(step(sched)) == [("a", 8, 4, True), ("b", 8, 3, True), ("c", 0, 1, False)]
+    assert b.block_ids[:2] == a.block_ids[:2] == [0, 1] and b.cached_prompt_tokens == 8
+
+
 def test_a_prompt_is_never_served_whole_its_last_token_is_computed():
     sched = make()
     a = question("a", SYSTEM[:8])
