@@ -61,6 +61,8 @@ class LoadRun:
         for run in self._systems(trace, reference, result, rate):
             summary = {"rate": _rate_value(rate), **summarize(run, reference)}
             summaries.append(summary)
+            self.out(f"  {run.name}: goodput {summary['goodput_tps']:.1f} tok/s, e2e p50 "
+                     f"{summary['e2e_p50_s'] or 0:.2f} s")  # at once: a long run shows its progress
             result["outcomes"].append({"rate": _rate_value(rate), "system": run.name, "questions": outcomes_json(run)})
         self.out(table(summaries))
         for summary in summaries:

@@ -131,7 +131,7 @@ def best_static(hf, model, trace: list[TraceQuestion], batch_sizes: list[int], t
         run = run_static(hf, model, trace, size, timeout_s)
         summary = summarize(run)
         out(f"  transformers static, batch {size:3}: goodput {summary['goodput_tps']:.1f} tok/s, "
-            f"e2e p50 {summary['e2e_p50_s']:.2f} s")
+            f"e2e p50 {summary['e2e_p50_s'] or 0:.2f} s")
         runs.append((summary["goodput_tps"], run))
         sweep.append(summary)
     best = max(runs, key=lambda r: r[0])[1]
