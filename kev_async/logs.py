@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -52,6 +54,18 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         cache_logger_on_first_use=False,
     )
     _configured = True
+
+
+@contextlib.contextmanager
+def quieted(level: str = "warning") -> Iterator[None]:
+    """Log at `level` inside the block, then as before: a benchmark run in process (tests call the
+    CLI in process) must not leave the level it needed for a readable table."""
+    before = structlog.get_config()["wrapper_class"]
+    configure_logging(level)
+    try:
+        yield
+    finally:
+        structlog.configure(wrapper_class=before)
 
 
 def get_logger(name: str, **initial: Any) -> Any:

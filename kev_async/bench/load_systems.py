@@ -66,10 +66,10 @@ async def _engine_question(engine, q: TraceQuestion, t0: float, done: dict) -> N
 # -- (d) Kev through Kafka -----------------------------------------------------------------------------
 
 def run_kafka(model, options, trace: list[TraceQuestion]) -> SystemRun:
-    from kev_async.logs import configure_logging
+    from kev_async.logs import quieted
 
-    configure_logging("warning")  # the worker logs every answer at info: the table would drown
-    outcomes = anyio.run(_kafka_trace, model, kafka_config(options), trace, backend="asyncio")  # aiokafka: asyncio only
+    with quieted("warning"):  # the worker logs every answer at info: the table would drown
+        outcomes = anyio.run(_kafka_trace, model, kafka_config(options), trace, backend="asyncio")  # aiokafka only
     return SystemRun("kev via kafka", outcomes, {"max_batch_size": options.max_batch_size})
 
 

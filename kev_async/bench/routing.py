@@ -47,12 +47,20 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from kev_async.logs import quieted
+
+    with quieted("warning"):
+        rates = _hit_rates(args)
+    ratio = rates["semantic_hash"] / rates["round_robin"] if rates["round_robin"] else float("inf")
+    print(f"semantic_hash / round_robin = {ratio:.2f}x (target >= 1.8x)")
+    return 0
+
+
+def _hit_rates(args: argparse.Namespace) -> dict[str, float]:
     import anyio
 
     from kev_async.drill import DrillOptions, run_drill
-    from kev_async.logs import configure_logging
 
-    configure_logging("warning")
     rates = {}
     for strategy in ("semantic_hash", "round_robin"):
         options = DrillOptions(
@@ -67,6 +75,4 @@ def _cli(args: argparse.Namespace) -> int:
         print(f"{strategy:14} hit rate {rates[strategy]:.3f} ({result.cached_prompt_tokens}/{result.prompt_tokens} "
               f"prompt tokens cached); {result.answered}/{result.questions} answered at {result.answers_per_s} "
               f"answers/s; per worker {sorted(result.by_worker.values())}")
-    ratio = rates["semantic_hash"] / rates["round_robin"] if rates["round_robin"] else float("inf")
-    print(f"semantic_hash / round_robin = {ratio:.2f}x (target >= 1.8x)")
-    return 0
+    return rates
