@@ -4,7 +4,6 @@ them all, and a worker that cannot start makes the parent give up with a clear e
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -48,16 +47,10 @@ def test_plan_splits_cores_or_gpus_between_workers():
 
 
 def events(process: KevProcess, event: str) -> list[dict]:
-    found = []
-    for line in process.log().splitlines():
-        if line.startswith("{"):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == event:
-                found.append(record)
-    return found
+    """The child's JSON log lines whose event is `event`."""
+    from kev_async.drill_checks import log_events as parse
+
+    return parse(process.log(), event)
 
 
 async def wait_events(process: KevProcess, event: str, count: int, timeout: float) -> list[dict]:

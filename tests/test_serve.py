@@ -11,7 +11,6 @@ path, the embedded Tansu broker. No mocks.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections import Counter
@@ -89,16 +88,9 @@ def serve_env(k, **extra: str) -> dict[str, str]:
 
 def log_events(process: KevProcess, event: str) -> list[dict]:
     """The child's JSON log lines whose event is `event`."""
-    found = []
-    for line in process.log().splitlines():
-        if line.startswith("{"):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == event:
-                found.append(record)
-    return found
+    from kev_async.drill_checks import log_events as parse
+
+    return parse(process.log(), event)
 
 
 async def wait_log(process: KevProcess, event: str, timeout: float) -> None:
