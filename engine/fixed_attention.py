@@ -39,9 +39,11 @@ def attend_prompt_tiles(q, cache, ctx: torch.Tensor, cached: int) -> torch.Tenso
     group = heads // cache.kv_heads
     query = pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
     tiles = query.shape[1]
-    k_rows, v_rows = cache.gather(ctx)  # dequantised per token when the cache is int8: row-local
-    keys = pad_rows(k_rows, KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
-    values = pad_rows(v_rows, KEY_TILE).transpose(0, 1).repeat_interleave(group, 0)
+    # Whole key tiles: padding reads the question's own first slot (finite, and masked: its index is
+    # past every row's position). Dequantised per token when the cache is int8: row-local.
+    k_rows, v_rows = cache.gather(pad_rows(ctx, KEY_TILE, fill=ctx[0]))
+    keys = k_rows.transpose(0, 1).repeat_interleave(group, 0)
+    values = v_rows.transpose(0, 1).repeat_interleave(group, 0)
     positions = torch.arange(tiles * ROW_TILE, device=q.device).view(tiles, ROW_TILE, 1) + cached
     best = torch.full((heads, tiles, ROW_TILE, 1), float("-inf"), device=q.device, dtype=query.dtype)
     total = torch.zeros_like(best)
@@ -88,11 +90,12 @@ class FixedDecodes:
         shape = (batch, self.tiles, KEY_TILE, kv_heads, dim)
         k_rows, v_rows = cache.gather(self.slots)
         # Contiguous operands: a strided view could reach BLAS in another layout (another kernel) when
-        # the batch happens to be of size one.
-        keys = k_rows.view(shape).permute(0, 3, 1, 4, 2).contiguous()  # [B, KVH, T, D, KT]
+        # the batch happens to be of size one. Keys are then transposed as a view, which folds into
+        # the same (transposed) layout for every batch.
+        keys = k_rows.view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
         values = v_rows.view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
         query = (q * dim**-0.5).view(batch, kv_heads, 1, group, dim).expand(-1, -1, self.tiles, -1, -1).contiguous()
-        scores = torch.matmul(query, keys).masked_fill(self.hidden, float("-inf"))  # [B, KVH, T, group, KEY_TILE]
+        scores = torch.matmul(query, keys.transpose(-1, -2)).masked_fill(self.hidden, float("-inf"))  # [B, KVH, T, group, KT]
         best = scores.amax(dim=(2, 4), keepdim=True)  # finite: key 0 is always visible
         weights = torch.exp(scores - best)
         total = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # [B, KVH, group, 1]

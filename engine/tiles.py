@@ -22,9 +22,10 @@ ROW_TILE = 16  # rows of every deterministic matmul tile
 _LOOPED: set[tuple] = set()  # shapes whose batched tiles failed the check here: one call per tile
 
 
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, multiple: int, fill=0) -> torch.Tensor:
+    """x with rows of `fill` appended up to a multiple of `multiple` rows."""
     pad = (-x.shape[0]) % multiple
-    return torch.cat([x, x.new_zeros((pad,) + x.shape[1:])]) if pad else x
+    return torch.cat([x, x.new_full((pad,) + x.shape[1:], fill)]) if pad else x
 
 
 def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
