@@ -163,6 +163,9 @@ class EmbeddedBroker:
         raise BrokerStartError(f"Tansu did not answer within {self.startup_timeout}s: {self.log_tail()}")
 
 
+EMBEDDED_FETCH_WAIT_MS = 20
+
+
 @contextlib.asynccontextmanager
 async def embedded_kafka(cfg: KafkaConfig) -> AsyncIterator[KafkaConfig]:
     """Yield `cfg` with real bootstrap servers: an embedded broker's when they say "embedded"."""
@@ -170,7 +173,9 @@ async def embedded_kafka(cfg: KafkaConfig) -> AsyncIterator[KafkaConfig]:
         yield cfg
         return
     async with EmbeddedBroker() as broker:
-        yield msgspec.structs.replace(cfg, bootstrap_servers=broker.bootstrap_servers)
+        # Tansu holds every fetch for its whole max wait even when records are there.
+        yield msgspec.structs.replace(cfg, bootstrap_servers=broker.bootstrap_servers,
+                                      fetch_max_wait_ms=min(cfg.fetch_max_wait_ms, EMBEDDED_FETCH_WAIT_MS))
 
 
 def _tansu_binary() -> str:

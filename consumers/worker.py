@@ -121,7 +121,8 @@ class KafkaWorker:
         cfg, security = self.cfg, client_options(self.cfg.security)
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
-            auto_offset_reset="earliest", **security, **self.consumer_options,
+            auto_offset_reset="earliest", **security,
+            **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **self.consumer_options},
         )
         # acks=all without idempotence: Tansu rejects idempotent producers (InitProducerId).
         self.producer = AIOKafkaProducer(

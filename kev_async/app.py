@@ -32,10 +32,9 @@ from schemas import ControlEvent, KafkaConfig, KevConfig
 log = structlog.get_logger("kev.app")
 
 # Fast group membership for the embedded broker: Tansu waits about half the session timeout before
-# the first assignment, and a killed member is noticed only when its session expires. Tansu also
-# holds a fetch for its whole max wait, so aiokafka's 500 ms default would be added to every question.
+# the first assignment, and a killed member is noticed only when its session expires.
 EMBEDDED_CONSUMER_OPTIONS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500,
-                             "rebalance_timeout_ms": 6000, "fetch_max_wait_ms": 20}
+                             "rebalance_timeout_ms": 6000}
 # Not a config key on purpose: an operator's escape hatch, and the tests' way to keep Tansu's waits short
 # against a broker `kev serve` did not start. When set, the consumer group uses this session timeout
 # (rebalance timeout equal to it, heartbeats at a tenth of it) on any broker.

@@ -122,6 +122,9 @@ class KafkaConfig(_Section):
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
     commit_every: Positive = 100
+    # How long a question fetch may wait for records. Kafka answers a fetch as soon as a record is
+    # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
+    fetch_max_wait_ms: Positive = 500
     security: SecurityConfig = SecurityConfig()
 
 
