@@ -43,10 +43,9 @@ def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> t
     """F.linear in fixed row tiles (deterministic mode)."""
     if isinstance(weight, Int8Weight):
         # The int8 kernel takes no batch of tiles: one call per tile, each of the same shape.
-        tiles = pad_rows(x, ROW_TILE).split(ROW_TILE)
-        out = torch.cat([weight.linear(tile) for tile in tiles])[: x.shape[0]]
-        return out + bias if bias is not None else out
-    out = tiled_matmul(x, weight.t())
+        out = torch.cat([weight.linear(tile) for tile in pad_rows(x, ROW_TILE).split(ROW_TILE)])[: x.shape[0]]
+    else:
+        out = tiled_matmul(x, weight.t())
     return out + bias if bias is not None else out
 
 
