@@ -113,17 +113,21 @@ class TorchStep:
 
 
 def _attend_segment(q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segment) -> torch.Tensor:
-    """q: [L, H, D]. With no cached prefix the fresh keys suffice; otherwise read the question's slots."""
+    """q: [L, H, D]. With no cached prefix the fresh keys suffice; otherwise read the question's slots.
+
+    SDPA gets 4-D [1, heads, L, D] tensors: on CPU only those reach the fused flash kernel, 3-D ones
+    fall back to the unfused math path (3-4.5x slower on a 1,000-token prompt, measured)."""
+    query = q.transpose(0, 1)[None]
     if ctx is None:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        out = F.scaled_dot_product_attention(query, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1)
-    keys, values = (t.transpose(0, 1) for t in cache.gather(ctx))
+        return out[0].transpose(0, 1)
+    keys, values = (t.transpose(0, 1)[None] for t in cache.gather(ctx))
     # Row i sits at position cached + i and sees keys 0..cached + i: causal, offset by the cache.
     visible = torch.arange(seg.kv_len, device=q.device)[None, :] <= (
         torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=True)
-    return out.transpose(0, 1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class _DecodeGroup:
