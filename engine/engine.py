@@ -129,6 +129,10 @@ class Engine:
                 return
             await handle._changed.wait()
 
+    def holds(self, question_id: str) -> bool:
+        """Whether a question with this id was submitted and has not been answered yet."""
+        return question_id in self._handles
+
     def cancel(self, handle: Handle | str) -> None:
         question_id = handle if isinstance(handle, str) else handle.question_id
         if question_id in self._handles:

@@ -17,6 +17,8 @@ answer by question_id to the task that asked; `open_engine_client` wires actor a
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -132,12 +134,50 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     log.info("engine_actor.stopped", device=device, kv_blocks_free=pool.num_free, kv_blocks_total=pool.num_blocks)
 
 
+class EarlyCancels:
+    """Cancels that came before their question: a gateway's cancel on kev.control can overtake the
+    question itself when this worker's kev.questions partition lags. Remembered for `ttl_s` (at most
+    `limit` ids, oldest forgotten first), so the question is cancelled the moment it arrives instead of
+    being answered to nobody. Every worker hears every cancel; the ones that never get the question
+    just forget it."""
+
+    def __init__(self, limit: int = 4096, ttl_s: float = 60.0) -> None:
+        self.limit, self.ttl_s = limit, ttl_s
+        self._ids: OrderedDict[str, float] = OrderedDict()
+        # A cancel that comes after the answer (the asker gave up a moment too late) is not early: a
+        # retry under the same id must not be cancelled by it.
+        self._answered: OrderedDict[str, None] = OrderedDict()
+
+    def remember(self, question_id: str) -> None:
+        if question_id in self._answered:
+            return
+        self._ids[question_id] = time.monotonic() + self.ttl_s
+        self._ids.move_to_end(question_id)
+        _trim(self._ids, self.limit)
+
+    def answered(self, question_id: str) -> None:
+        self._answered[question_id] = None
+        self._answered.move_to_end(question_id)
+        _trim(self._answered, self.limit)
+
+    def take(self, question_id: str) -> bool:
+        """True (once) when this question was cancelled before it arrived, within the last ttl_s."""
+        expires = self._ids.pop(question_id, None)
+        return expires is not None and expires >= time.monotonic()
+
+
+def _trim(ids: OrderedDict, limit: int) -> None:
+    while len(ids) > limit:
+        ids.popitem(last=False)
+
+
 class _SchedulerActor:
     def __init__(self, engine: Engine, outbox: MemoryObjectSendStream, max_in_flight: int, wrap) -> None:
         self.engine, self.outbox, self.max_in_flight = engine, outbox, max_in_flight
         self.places = anyio.Semaphore(max_in_flight)
         self.in_flight: dict[Handle, Any] = {}  # taken, answer not yet sent -> its source
         self.wrap = wrap or (lambda event, _source: event)
+        self.early_cancels = EarlyCancels()
         self.applied: dict[int, tuple[bool, Any]] = {}  # control command_id -> (succeeded, reply or error)
 
     async def handle(self, message: Any, forwarders) -> None:
@@ -150,7 +190,7 @@ class _SchedulerActor:
             case object(question=QuestionEvent() as question):  # an envelope from another protocol
                 await self._submit(question, message, forwarders)
             case Cancel(question_id=question_id):
-                self.engine.cancel(question_id)
+                self._cancel(question_id)
             case Request(body=UpdateDefaults() as command, reply_to=reply_to):
                 self._update_defaults(command, reply_to)
             case LoadAdapter() | UnloadAdapter():
@@ -166,6 +206,15 @@ class _SchedulerActor:
         handle = await self.engine.submit(question, arrival=getattr(source, "received_at", None))
         self.in_flight[handle] = source
         forwarders.start_soon(self._forward, handle)
+        if self.early_cancels.take(question.question_id):
+            log.info("engine_actor.cancelled_on_arrival", question_id=question.question_id)
+            self.engine.cancel(handle)
+
+    def _cancel(self, question_id: str) -> None:
+        if self.engine.holds(question_id):
+            self.engine.cancel(question_id)
+        else:
+            self.early_cancels.remember(question_id)
 
     def _update_defaults(self, command: UpdateDefaults, reply_to: Reply) -> None:
         try:
@@ -220,6 +269,7 @@ class _SchedulerActor:
                     await self.outbox.send(self.wrap(delta, source))
             await self.outbox.send(self.wrap(await self.engine.wait(handle), source))
             del self.in_flight[handle]
+            self.early_cancels.answered(handle.question_id)
         finally:
             self.places.release()
 

@@ -158,6 +158,27 @@ async def test_a_cancel_from_the_async_side_frees_the_questions_kv_blocks(model)
             assert engines.pool.num_used == 0 and engines.pool.num_free == OPTIONS.num_blocks
 
 
+async def test_a_cancel_that_overtakes_its_question_cancels_it_on_arrival(model):
+    # kev.control can be read before a lagging kev.questions partition: the gateway's cancel comes first.
+    inbox, outbox = Mailbox("questions", 4), Mailbox("answers", 4)
+    engines = Engines(model)
+    async with anyio.create_task_group() as tg:
+        await tg.start(partial(engine_actor, inbox.receive, outbox.send, engine_factory=engines))
+        async with inbox.send, outbox.receive:
+            await inbox.send.send(Cancel("q1"))
+            await inbox.send.send(Submit(question(1, params=LONG)))
+            answer = await _next_answer(outbox.receive)
+            assert answer.question_id == "q1" and answer.finish_reason == "cancelled"
+            assert answer.usage.completion_tokens == 0
+            # once: the same id asked again is answered in full, and so is a cancel after its answer
+            await inbox.send.send(Submit(question(1)))
+            assert (await _next_answer(outbox.receive)).finish_reason != "cancelled"
+            await inbox.send.send(Cancel("q1"))
+            await inbox.send.send(Submit(question(1)))
+            assert (await _next_answer(outbox.receive)).finish_reason != "cancelled"
+            assert engines.pool.num_used == 0
+
+
 async def test_an_asker_cancelled_mid_answer_cancels_its_question_and_frees_its_blocks(model):
     engines = Engines(model)
     async with open_engine_client(engines) as client:
