@@ -29,13 +29,26 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "gateway", help="latency the HTTP gateway adds over publishing to Kafka directly",
         description="Send --concurrency questions at once, --rounds times per path, alternately through "
                     "`kev gateway` (HTTP, non-streaming) and straight to kev.questions (aiokafka); print each "
-                    "path's p50/p90 latency and the p50 the gateway adds.")
+                    "path's p50/p90 latency and the p50 the gateway adds. A list (--concurrency 1,8,64) "
+                    "repeats the measurement per level: a fixed cost shows at 1, queueing in the gateway's one "
+                    "event loop grows with the level.")
     gateway.add_argument("--model", default="smollm2-135m-instruct")
-    gateway.add_argument("--concurrency", type=int, default=64)
+    gateway.add_argument("--concurrency", type=_levels, default=[64],
+                         help="questions at once, or a comma list of levels (default 64)")
     gateway.add_argument("--rounds", type=int, default=5, help="rounds per path (default 5)")
     gateway.add_argument("--max-new-tokens", type=int, default=1)
     gateway.add_argument("--threads", type=int, default=None)
     gateway.set_defaults(func=_cli)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number or a list like 1,8,64") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: concurrency must be 1 or more")
+    return levels
 
 
 def _cli(args: argparse.Namespace) -> int:
@@ -45,7 +58,8 @@ def _cli(args: argparse.Namespace) -> int:
     return 0
 
 
-async def bench_gateway(model, *, concurrency: int, rounds: int, max_new_tokens: int, out=print) -> dict:
+async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max_new_tokens: int, out=print) -> dict:
+    """Latencies per path at each concurrency level; the returned figures are the highest level's."""
     import msgspec
 
     from consumers import embedded_kafka
@@ -54,10 +68,11 @@ async def bench_gateway(model, *, concurrency: int, rounds: int, max_new_tokens:
     from kev_async.runtime.lifecycle import Shutdown
     from schemas import KevConfig
 
+    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
     cfg = KevConfig()
     cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0),
                                   gateway=msgspec.structs.replace(cfg.gateway, port=0, served_model_name="bench"),
-                                  router=msgspec.structs.replace(cfg.router, max_parallel_queries=max(32, concurrency)))
+                                  router=msgspec.structs.replace(cfg.router, max_parallel_queries=max(32, *levels)))
     shutdown = Shutdown(drain_deadline=30)
     async with embedded_kafka(cfg.kafka) as kafka, anyio.create_task_group() as tg:
         cfg = msgspec.structs.replace(cfg, kafka=kafka)
@@ -66,33 +81,39 @@ async def bench_gateway(model, *, concurrency: int, rounds: int, max_new_tokens:
         direct = _DirectClient(cfg.kafka, max_new_tokens)
         await direct.start()
         try:
-            http = _HttpClient(gateway.url, max_new_tokens, concurrency)
-            await http.round(concurrency)  # warm both paths: group assignment, first forward
-            await direct.round(concurrency)
-            latencies: dict[str, list[float]] = {"kafka": [], "gateway": []}
-            for _ in range(rounds):
-                latencies["kafka"] += await direct.round(concurrency)
-                latencies["gateway"] += await http.round(concurrency)
+            http = _HttpClient(gateway.url, max_new_tokens, max(levels))
+            await http.round(max(levels))  # warm both paths: group assignment, first forward
+            await direct.round(max(levels))
+            measured = {}
+            for level in levels:
+                latencies: dict[str, list[float]] = {"kafka": [], "gateway": []}
+                for _ in range(rounds):
+                    latencies["kafka"] += await direct.round(level)
+                    latencies["gateway"] += await http.round(level)
+                measured[level] = latencies
             await http.close()
         finally:
             await direct.stop()
         shutdown.request("bench finished")
-    return _report(latencies, model.name, concurrency, rounds, max_new_tokens, out)
+    return _report(measured, model.name, rounds, max_new_tokens, out)
 
 
-def _report(latencies: dict[str, list[float]], model: str, concurrency: int, rounds: int, max_new_tokens: int,
+def _report(measured: dict[int, dict[str, list[float]]], model: str, rounds: int, max_new_tokens: int,
             out) -> dict:
-    out(f"model {model}, {concurrency} concurrent questions x {rounds} rounds per path, "
-        f"<= {max_new_tokens} new tokens, greedy, embedded broker, one in-process worker")
-    out("| path | requests | p50 ms | p90 ms |\n|---|---:|---:|---:|")
-    p50 = {}
-    for name, values in latencies.items():
-        ms = sorted(v * 1000 for v in values)
-        p50[name] = statistics.median(ms)
-        out(f"| {name} | {len(ms)} | {p50[name]:.1f} | {ms[int(0.9 * (len(ms) - 1))]:.1f} |")
-    added = p50["gateway"] - p50["kafka"]
-    out(f"gateway adds {added:.1f} ms at p50")
-    return {"p50_ms": p50, "added_p50_ms": added}
+    out(f"model {model}, {rounds} rounds per path and level, <= {max_new_tokens} new tokens, greedy, embedded "
+        "broker, one in-process worker")
+    out("| concurrent | path | requests | p50 ms | p90 ms |\n|---:|---|---:|---:|---:|")
+    rows = {}
+    for level, latencies in measured.items():
+        p50 = {}
+        for name, values in latencies.items():
+            ms = sorted(v * 1000 for v in values)
+            p50[name] = statistics.median(ms)
+            out(f"| {level} | {name} | {len(ms)} | {p50[name]:.1f} | {ms[int(0.9 * (len(ms) - 1))]:.1f} |")
+        rows[level] = {"p50_ms": p50, "added_p50_ms": p50["gateway"] - p50["kafka"]}
+    for level, row in rows.items():
+        out(f"gateway adds {row['added_p50_ms']:.1f} ms at p50 with {level} concurrent")
+    return {**rows[max(rows)], "levels": rows}
 
 
 class _HttpClient:

@@ -109,6 +109,9 @@ def _add_system_flags(group) -> None:
     group.add_argument("--compare-api-key", default=os.environ.get("OPENAI_API_KEY"),
                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else none)")
     group.add_argument("--compare-model", default=None, help="model name to send (default: the first of /v1/models)")
+    group.add_argument("--compare-name", default=None,
+                       help="what to call that server in tables and plots, e.g. 'llama.cpp F32' (default "
+                            "'openai-compatible URL')")
     group.add_argument("--compare-body", default=None, metavar="JSON",
                        help='extra fields for every request, e.g. \'{"cache_prompt": false}\' for llama-server')
 
@@ -116,6 +119,9 @@ def _add_system_flags(group) -> None:
 def _add_engine_flags(group) -> None:
     group.add_argument("--kev-batch-size", type=int, default=32, help="Kev's max_batch_size (default 32)")
     group.add_argument("--kv-mib", type=int, default=None, help="Kev's KV pool budget in MiB (default: the engine's)")
+    group.add_argument("--max-tokens-per-step", type=int, default=None,
+                       help="Kev's token budget per forward; longer prompts are prefilled in chunks (default: "
+                            "the engine's)")
     group.add_argument("--dtype", default=None, help="weights/activations precision for load_model, e.g. fp32, bf16")
     group.add_argument("--weights", default=None, help="weight quantisation, e.g. int8 (where Kev has it)")
     group.add_argument("--kv-dtype", default=None, help="KV cache precision, e.g. int8 (where Kev has it)")
@@ -140,6 +146,8 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
     load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
     if args.kv_mib:
         option_kwargs["kv_budget_bytes"] = args.kv_mib << 20
+    if args.max_tokens_per_step:
+        option_kwargs["max_tokens_per_step"] = args.max_tokens_per_step
     if args.isolation == "shared":
         if "prefix_caching" not in option_fields:
             raise LoadBenchError("--isolation shared: this Kev has no prefix cache (EngineOptions.prefix_caching)")

@@ -39,14 +39,15 @@ def probe(url: str) -> None:
 
 
 def run_openai(url: str, model, trace: list[TraceQuestion], *, api: str = "chat", served_model: str | None = None,
-               extra_body: dict | None = None, api_key: str | None = None, timeout_s: float = 600.0) -> SystemRun:
+               extra_body: dict | None = None, api_key: str | None = None, timeout_s: float = 600.0,
+               name: str | None = None) -> SystemRun:
     base = v1_base(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     outcomes = anyio.run(_trace, base, model, trace, api, served_model, extra_body or {}, headers, timeout_s)
     for o in outcomes:
         if o.completed and not o.tokens and o.text:  # no usage in the stream: count as Kev does, EOS included
             o.tokens = len(model.tokenizer.encode(o.text, add_special_tokens=False)) + (o.finish_reason == "stop")
-    return SystemRun(f"openai-compatible {base}", outcomes, {"url": base, "api": api})
+    return SystemRun(name or f"openai-compatible {base}", outcomes, {"url": base, "api": api})
 
 
 async def _trace(base, model, trace, api, served_model, extra_body, headers, timeout_s) -> list[Outcome]:

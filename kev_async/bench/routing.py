@@ -37,8 +37,10 @@ def register(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--partitions", type=int, default=2)
     routing.add_argument("--system-prompts", type=int, default=4)
     routing.add_argument("--max-new-tokens", type=int, default=8)
-    routing.add_argument("--num-blocks", type=int, default=30, help="each worker's KV pool: room for the running "
-                                                                    "questions and about two idle prefixes, not four")
+    routing.add_argument("--num-blocks", type=int, default=26,
+                         help="each worker's KV pool in 16-token blocks (default 26): a worker's share of the "
+                              "prefixes (4 prompts / 2 workers = 2, 10 full blocks each) plus the running "
+                              "questions' own blocks (2 x 3); not room for all four prefixes")
     routing.add_argument("--max-parallel", type=int, default=2, help="router.max_parallel_queries per worker: "
                                                                       "few running questions keep few prefixes alive")
     routing.add_argument("--spread", type=float, default=20.0)
