@@ -44,7 +44,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     routing.add_argument("--max-parallel", type=int, default=2, help="router.max_parallel_queries per worker: "
                                                                       "few running questions keep few prefixes alive")
     routing.add_argument("--spread", type=float, default=20.0)
-    routing.add_argument("--workdir", default="kev-bench-routing")
+    routing.add_argument("--workdir", default=".cache/bench/routing", help="where the workers' logs go "
+                                                                          "(default .cache/bench/routing)")
     routing.set_defaults(func=_cli)
 
 
