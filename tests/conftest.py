@@ -4,11 +4,13 @@ SmolLM2-135M, and a small harness that drives EngineCore on raw token ids and re
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 torch.set_num_threads(2)
@@ -212,3 +214,15 @@ def harness():
     return types.SimpleNamespace(run_core=run_core, Q=Q, tiny_options=tiny_options, random_prompt=random_prompt,
                                  build_hf_tiny=build_hf_tiny, kev_model_from_hf=kev_model_from_hf,
                                  VOCAB=VOCAB, TINY_KINDS=TINY_KINDS)
+
+
+@pytest.fixture
+def logs():
+    """structlog's captured records, debug and info included whatever level another test configured."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**saved)

@@ -11,14 +11,12 @@ sampling defaults), applied by a serving worker without a restart.
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
 
 import anyio
 import msgspec
 import pytest
-import structlog
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import kafka_config, produce  # noqa: E402
@@ -46,18 +44,6 @@ def anyio_backend():
 
 def control(**fields) -> bytes:
     return msgspec.json.encode(fields)
-
-
-@pytest.fixture
-def logs():
-    """capture_logs with info records let through, whatever level another test configured."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 def events(logs, event: str, **fields) -> list[dict]:

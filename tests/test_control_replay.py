@@ -3,13 +3,11 @@ and an engine that applied an id already answers as the first time instead of lo
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import anyio
 import msgspec
 import pytest
-import structlog
 
 pytest.register_assert_rewrite("kafka_fixtures")
 from kafka_fixtures import kafka_config, produce  # noqa: E402
@@ -22,17 +20,6 @@ ADAPTER = "style"
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-@pytest.fixture
-def logs():
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with structlog.testing.capture_logs() as captured:
-            yield captured
-    finally:
-        structlog.configure(**saved)
 
 
 def named(logs, event: str) -> list[dict]:

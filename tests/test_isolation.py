@@ -1,7 +1,6 @@
 """A question's answer does not depend on what shares its forward: tokens, positions, KV, failures, memory."""
 
 import json
-import logging
 import random
 import subprocess
 import sys
@@ -9,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import structlog
 
 from engine import IsolatedBatchPipeline
 from engine.audit import violations
@@ -130,19 +128,7 @@ def test_a_cancelled_question_ends_alone(tiny_models, harness):
     assert outcome.core.pool.num_used == 0
 
 
-@pytest.fixture
-def debug_logs():
-    """capture_logs with debug records let through, whatever level another test configured."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with structlog.testing.capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.configure(**saved)
-
-
-def test_positions_restart_per_question_and_the_audit_is_clean(tiny_models, harness, debug_logs):
+def test_positions_restart_per_question_and_the_audit_is_clean(tiny_models, harness, logs):
     batch = neighbours(harness, 6, 51)
     outcome = harness.run_core(tiny_models["qwen3-tied"].kev, batch,
                                harness.tiny_options(audit=True, debug=True, max_tokens_per_step=64),
@@ -158,7 +144,7 @@ def test_positions_restart_per_question_and_the_audit_is_clean(tiny_models, harn
         assert positions == expected
     assert any(len(plan) > 1 and plan[1][1] == 0 for plan in outcome.plans)  # a second question starts at 0
 
-    records = [e for e in debug_logs if e["event"] in ("forward.mask", "forward.isolation_violation")]
+    records = [e for e in logs if e["event"] in ("forward.mask", "forward.isolation_violation")]
     assert len(records) == len(outcome.plans)
     for entry in records:
         assert entry["event"] == "forward.mask", entry
