@@ -19,6 +19,7 @@ from functools import partial
 
 import anyio
 
+from kev_async.bench.arguments import positive_ints
 from kev_async.bench.model import bench_model
 
 PROMPT = "Name one colour. Question {i}."
@@ -33,22 +34,12 @@ def register(kinds: argparse._SubParsersAction) -> None:
                     "repeats the measurement per level: a fixed cost shows at 1, queueing in the gateway's one "
                     "event loop grows with the level.")
     gateway.add_argument("--model", default="smollm2-135m-instruct")
-    gateway.add_argument("--concurrency", type=_levels, default=[64],
+    gateway.add_argument("--concurrency", type=positive_ints("concurrency levels", "64 or 1,8,64"), default=[64],
                          help="questions at once, or a comma list of levels (default 64)")
     gateway.add_argument("--rounds", type=int, default=5, help="rounds per path (default 5)")
     gateway.add_argument("--max-new-tokens", type=int, default=1)
     gateway.add_argument("--threads", type=int, default=None)
     gateway.set_defaults(func=_cli)
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number or a list like 1,8,64") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: concurrency must be 1 or more")
-    return levels
 
 
 def _cli(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from kev_async.bench.arguments import positive_ints
+
 DESCRIPTION = """\
 Open-loop load: questions arrive by a Poisson process at --rate questions/s (or all at once with
 --rate inf), whatever the system is doing, and each question's latency counts from its arrival.
@@ -67,16 +69,6 @@ def _rates(text: str) -> list[float]:
     return [_rate(part) for part in text.split(",") if part.strip()]
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes like 4,8,16,32") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be 1 or more")
-    return sizes
-
-
 def _add_trace_flags(group) -> None:
     group.add_argument("--rate", type=_rate, default=1.0, help="offered load, questions/s; 'inf' = all at once "
                                                                 "(default 1)")
@@ -97,7 +89,7 @@ def _add_trace_flags(group) -> None:
 
 def _add_system_flags(group) -> None:
     group.add_argument("--no-static", action="store_true", help="skip transformers static batching")
-    group.add_argument("--hf-batch-sizes", type=_sizes, default=[4, 8, 16, 32],
+    group.add_argument("--hf-batch-sizes", type=positive_ints("batch sizes", "4,8,16,32"), default=[4, 8, 16, 32],
                        help="static batch sizes to try (default 4,8,16,32)")
     group.add_argument("--hf-batch-timeout", type=float, default=0.5,
                        help="s the oldest waiting question waits for a full batch (default 0.5)")

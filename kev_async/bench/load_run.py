@@ -113,7 +113,7 @@ class LoadRun:
             self.out(f"running: {self.args.compare_url} ({self.args.compare_api})")
             yield run_openai(self.args.compare_url, self.model, trace, api=self.args.compare_api,
                              served_model=self.args.compare_model, extra_body=self.extra_body,
-                             api_key=self.args.compare_api_key, name=getattr(self.args, "compare_name", None))
+                             api_key=self.args.compare_api_key, name=self.args.compare_name)
 
     def _plot(self, result: dict) -> None:
         if not self.args.plot:
