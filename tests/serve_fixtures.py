@@ -19,6 +19,7 @@ import anyio
 import pytest
 from aiokafka import AIOKafkaConsumer
 
+from consumers.broker import EMBEDDED_FETCH_WAIT_MS
 from schemas import AnswerEvent, decode_answer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,8 +132,11 @@ class AnswerReader:
         self._changed = anyio.Event()
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        # Tansu holds every fetch for the whole wait: with aiokafka's 500 ms default, answers would arrive
+        # in half-second bursts and "answered before X" would mean "before the last burst".
         consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.bootstrap, group_id=None,
-                                    auto_offset_reset="earliest", enable_auto_commit=False)
+                                    auto_offset_reset="earliest", enable_auto_commit=False,
+                                    fetch_max_wait_ms=EMBEDDED_FETCH_WAIT_MS)
         await consumer.start()
         task_status.started()
         try:
