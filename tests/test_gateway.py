@@ -211,6 +211,24 @@ def test_abandoned_stream_is_cancelled_and_frees_its_kv_blocks(client, stack):
         time.sleep(0.05)
 
 
+def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(stack):
+    """Not streamed: the gateway notices the closed connection while it waits for the answer."""
+    def cancels() -> float:
+        text = httpx.get(stack.url + "/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("kev_gateway_cancels_total")))
+
+    before = cancels()
+    body = {"model": MODEL, "messages": SEA, "max_tokens": 900}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5),
+                   headers={"authorization": f"Bearer {API_KEY}"})
+    deadline = time.monotonic() + 10
+    while cancels() == before or stack.kv_blocks_used() != 0:
+        assert time.monotonic() < deadline, "the abandoned question was not cancelled, or kept its KV blocks"
+        time.sleep(0.05)
+
+
 def test_200_concurrent_requests_half_streamed_each_get_their_own_answer(client, stack):
     prompts = [f"Question {i}: what comes after {i * 7}?" for i in range(20)]
     # Sampled with a per-question seed, so every prompt has its own text (a random tiny model's greedy
@@ -322,6 +340,32 @@ async def test_control_reader_skips_old_cancels_and_passes_new_ones(kafka_broker
         with anyio.fail_after(10):
             assert (await receive.receive()) == ControlEvent(action="cancel", question_id="new")
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # uvicorn and aiokafka run on asyncio only
+async def test_gateway_connections_send_small_writes_at_once(anyio_backend):
+    """TCP_NODELAY on every accepted connection: with Nagle on, a response written in two parts waited for
+    the client's delayed ACK and each lone request took 40 ms longer."""
+    import asyncio
+    import socket
+
+    from kev_async.gateway.server import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    nodelay = asyncio.get_running_loop().create_future()
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            nodelay.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+    try:
+        client = await anyio.connect_tcp(*sock.getsockname()[:2])
+        assert await nodelay == 1
+        await client.aclose()
+    finally:
+        server.close()
 
 
 def test_kev_gateway_help_and_a_clear_refusal_without_brokers(capsys):

@@ -10,6 +10,7 @@ is dropped. A duplicate delta (a question redelivered to a second worker) is dro
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ class Pending:
     def __init__(self, question_id: str) -> None:
         self.question_id = question_id
         self.answer: AnswerEvent | None = None
+        # The answer alone, for a request that does not stream: one future is cheaper to wait on than the stream.
+        self.answered: asyncio.Future[AnswerEvent] = asyncio.get_running_loop().create_future()
         self._next_seq = 0
         self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta]
         self._receive: MemoryObjectReceiveStream[AnswerEvent | AnswerDelta]
@@ -52,6 +55,7 @@ class Pending:
             self._next_seq += 1
         else:
             self.answer = event
+            self.answered.set_result(event)
         self._send.send_nowait(event)
 
     async def events(self) -> AsyncIterator[AnswerEvent | AnswerDelta]:
@@ -61,13 +65,8 @@ class Pending:
             if isinstance(event, AnswerEvent):
                 return
 
-    async def wait_answer(self) -> AnswerEvent:
-        async for event in self.events():
-            if isinstance(event, AnswerEvent):
-                return event
-        raise AssertionError("unreachable: events() ends with the answer")
-
     def close(self) -> None:
+        self.answered.cancel()  # no-op once answered; else nobody is left to retrieve it
         self._send.close()
         self._receive.close()
 

@@ -30,12 +30,13 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                (b"x-accel-buffering", b"no")]
 
 
-async def watch_disconnect(receive: Receive, scope: CancelScope) -> None:
-    """Cancel `scope` when the client hangs up (the request body is already read)."""
+async def watch_disconnect(receive: Receive, scope: CancelScope | None) -> None:
+    """Return when the client hangs up (the request body is already read), cancelling `scope` if given."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            scope.cancel()
+            if scope is not None:
+                scope.cancel()
             return
 
 
