@@ -28,3 +28,17 @@ def test_bench_gateway_runs_and_reports_the_added_p50(tiny_model, monkeypatch):
     result = anyio.run(bench, backend="asyncio")
     assert set(result["p50_ms"]) == {"kafka", "gateway"} and result["p50_ms"]["gateway"] > 0
     assert lines[-1].startswith("gateway adds ")
+
+
+def test_bench_gateway_can_run_the_gateway_as_its_own_process(tiny_model, monkeypatch):
+    """As deployed: `kev gateway` in a child process, not in the bench's event loop."""
+    from kev_async.bench.gateway import bench_gateway
+
+    for name, value in SESSION_ENV.items():
+        monkeypatch.setenv(name, value)
+    lines: list[str] = []
+    bench = partial(bench_gateway, tiny_model, concurrency=2, rounds=1, max_new_tokens=1, gateway_process=True,
+                    out=lines.append)
+    result = anyio.run(bench, backend="asyncio")
+    assert result["p50_ms"]["gateway"] > 0
+    assert "the gateway in its own process" in lines[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import uuid
@@ -39,17 +40,21 @@ def register(kinds: argparse._SubParsersAction) -> None:
     gateway.add_argument("--rounds", type=int, default=5, help="rounds per path (default 5)")
     gateway.add_argument("--max-new-tokens", type=int, default=1)
     gateway.add_argument("--threads", type=int, default=None)
+    gateway.add_argument("--gateway-process", action="store_true",
+                         help="run the gateway as its own `kev gateway` process, as deployed, instead of in the "
+                              "bench's event loop beside the worker and both clients")
     gateway.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
     model = bench_model(args)
     anyio.run(partial(bench_gateway, model, concurrency=args.concurrency, rounds=args.rounds,
-                      max_new_tokens=args.max_new_tokens), backend="asyncio")
+                      max_new_tokens=args.max_new_tokens, gateway_process=args.gateway_process), backend="asyncio")
     return 0
 
 
-async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max_new_tokens: int, out=print) -> dict:
+async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max_new_tokens: int,
+                        gateway_process: bool = False, out=print) -> dict:
     """Latencies per path at each concurrency level; the returned figures are the highest level's."""
     import msgspec
 
@@ -68,11 +73,14 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
     async with embedded_kafka(cfg.kafka) as kafka, anyio.create_task_group() as tg:
         cfg = msgspec.structs.replace(cfg, kafka=kafka)
         await tg.start(partial(serve, cfg, shutdown, model=model))
-        gateway = await tg.start(partial(run_gateway, cfg, shutdown))
+        if gateway_process:
+            url = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, shutdown)
+        else:
+            url = (await tg.start(partial(run_gateway, cfg, shutdown))).url
         direct = _DirectClient(cfg.kafka, max_new_tokens)
         await direct.start()
         try:
-            http = _HttpClient(gateway.url, max_new_tokens, max(levels))
+            http = _HttpClient(url, max_new_tokens, max(levels))
             await http.round(max(levels))  # warm both paths: group assignment, first forward
             await direct.round(max(levels))
             measured = {}
@@ -86,13 +94,53 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
         finally:
             await direct.stop()
         shutdown.request("bench finished")
-    return _report(measured, model.name, rounds, max_new_tokens, out)
+    where = "its own process" if gateway_process else "the bench's process"
+    return _report(measured, model.name, rounds, max_new_tokens, where, out)
+
+
+async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> None:
+    """`kev gateway` as a child process on a free port; started once /health answers, stopped with SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "KEV_GATEWAY__SERVED_MODEL_NAME": "bench", "KEV_LOGGING__LEVEL": "warning"}
+    process = await anyio.open_process([sys.executable, *os.environ.get("KEV_BENCH_PROFILE", "").split(), "-m", "kev_async.cli", "gateway", "--bootstrap-servers",
+                                        bootstrap_servers, "--port", str(port)], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=None)
+    try:
+        async with httpx.AsyncClient() as client:
+            with anyio.fail_after(60):
+                while True:
+                    if process.returncode is not None:
+                        raise RuntimeError(f"`kev gateway` exited with {process.returncode} before it was ready")
+                    try:
+                        if (await client.get(f"{url}/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(0.2)
+        task_status.started(url)
+        await shutdown.requested.wait()
+    finally:
+        with anyio.move_on_after(15, shield=True):
+            process.send_signal(signal.SIGTERM)
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
 
 
 def _report(measured: dict[int, dict[str, list[float]]], model: str, rounds: int, max_new_tokens: int,
-            out) -> dict:
+            where: str, out) -> dict:
     out(f"model {model}, {rounds} rounds per path and level, <= {max_new_tokens} new tokens, greedy, embedded "
-        "broker, one in-process worker")
+        f"broker, one in-process worker, the gateway in {where}")
     out("| concurrent | path | requests | p50 ms | p90 ms |\n|---:|---|---:|---:|---:|")
     rows = {}
     for level, latencies in measured.items():
