@@ -112,7 +112,7 @@ async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> 
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "KEV_GATEWAY__SERVED_MODEL_NAME": "bench", "KEV_LOGGING__LEVEL": "warning"}
-    process = await anyio.open_process([sys.executable, *os.environ.get("KEV_BENCH_PROFILE", "").split(), "-m", "kev_async.cli", "gateway", "--bootstrap-servers",
+    process = await anyio.open_process([sys.executable, "-m", "kev_async.cli", "gateway", "--bootstrap-servers",
                                         bootstrap_servers, "--port", str(port)], env=env,
                                        stdout=subprocess.DEVNULL, stderr=None)
     try:
