@@ -22,10 +22,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); `weight` is a tensor or an Int8Weight (weight-only int8)."""
-    if isinstance(weight, Int8Weight):
-        return weight.linear(x, bias)
-    return F.linear(x, weight, bias)
+    """x @ weight.T (+ bias); `weight` is a tensor, an Int8Weight (weight-only int8) or a PackedWeight."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight.linear(x, bias)
 
 
 def embed(table, ids: torch.Tensor) -> torch.Tensor:

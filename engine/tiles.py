@@ -14,6 +14,7 @@ from __future__ import annotations
 import structlog
 import torch
 
+from engine.packed_weight import PackedWeight
 from engine.quant import Int8Weight
 
 log = structlog.get_logger("kev.tiles")
@@ -41,8 +42,8 @@ def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in fixed row tiles (deterministic mode)."""
-    if isinstance(weight, Int8Weight):
-        # The int8 kernel takes no batch of tiles: one call per tile, each of the same shape.
+    if not isinstance(weight, torch.Tensor):
+        # Int8 and packed kernels take no batch of tiles: one call per tile, each of the same shape.
         out = torch.cat([weight.linear(tile) for tile in pad_rows(x, ROW_TILE).split(ROW_TILE)])[: x.shape[0]]
     else:
         out = tiled_matmul(x, weight.t())
@@ -66,22 +67,24 @@ class TileCheck:
     @classmethod
     def weights(cls, matrices: list) -> None:
         for weight in matrices:
-            if isinstance(weight, Int8Weight):
-                cls.int8(weight)
-            else:
+            if isinstance(weight, torch.Tensor):
                 cls.right(weight.t())
+            else:
+                cls.per_call(weight)
 
     @classmethod
-    def int8(cls, weight: Int8Weight) -> None:
+    def per_call(cls, weight: Int8Weight | PackedWeight) -> None:
         """One call per tile is always issued with ROW_TILE rows; a row's neighbours and its place in
         the tile must still not matter. If they do, deterministic mode cannot hold: refuse."""
-        key = ("int8", tuple(weight.shape), torch.get_num_threads())
+        kind = "int8" if isinstance(weight, Int8Weight) else "packed bf16"
+        key = (kind, tuple(weight.shape), torch.get_num_threads())
         if key in cls._done:
             return
-        if not _int8_invariant(weight):
-            raise NotDeterministic(f"the int8 weight kernel is not row-invariant on this CPU (shape "
+        if not _per_call_invariant(weight):
+            setting = "core.weights: int8" if kind == "int8" else "core.precision: bf16"
+            raise NotDeterministic(f"the {kind} weight kernel is not row-invariant on this CPU (shape "
                                    f"{list(weight.shape)}): isolation.deterministic cannot be combined with "
-                                   "core.weights: int8 here")
+                                   f"{setting} here")
         cls._done.add(key)
 
     @classmethod
@@ -100,7 +103,7 @@ class NotDeterministic(ValueError):
     """A precision whose kernels cannot be made batch-invariant on this CPU."""
 
 
-def _int8_invariant(weight: Int8Weight) -> bool:
+def _per_call_invariant(weight: Int8Weight | PackedWeight) -> bool:
     generator = torch.Generator().manual_seed(2)
     tile = torch.randn(ROW_TILE, weight.shape[1], generator=generator).to(weight.dtype)
     alone = weight.linear(tile)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import apply_rope, embed, linear, rms_norm
+from engine.packed_weight import PackedWeight, can_pack
 from engine.quant import Int8Weight
 from engine.tiles import TileCheck, tiled_linear
 
@@ -28,7 +29,7 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | Int8Weight  # q, k and v projections fused into one matmul
+    qkv: torch.Tensor | Int8Weight | PackedWeight  # q, k and v projections fused into one matmul
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -85,6 +86,14 @@ class Transformer:
         self.embed = Int8Weight(self.embed)
         self.lm_head = self.embed if tied else Int8Weight(self.lm_head)
 
+    def pack_weights(self) -> None:
+        """bf16 on CPU: every matmul's weight reordered once into oneDNN's layout (engine/packed_weight.py).
+        A tied embedding table stays as it is for lookups; the output head gets its own packed copy."""
+        for layer in self.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                setattr(layer, name, PackedWeight(getattr(layer, name)))
+        self.lm_head = PackedWeight(self.lm_head)
+
     @classmethod
     def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False,
                          int8: bool = False) -> "Transformer":
@@ -112,6 +121,8 @@ class Transformer:
         model = cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin))
         if int8:
             model.quantize_int8()
+        elif can_pack(dtype, device):
+            model.pack_weights()
         model.set_deterministic(deterministic)  # after quantising: the tile check sees the real kernels
         return model
 

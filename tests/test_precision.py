@@ -156,7 +156,7 @@ def test_bench_precision_prints_every_variant(tmp_path, capsys):
 def test_deterministic_refuses_int8_weights_where_the_kernel_is_not_row_invariant(models, harness, monkeypatch):
     from engine import tiles
 
-    monkeypatch.setattr(tiles, "_int8_invariant", lambda weight: False)
+    monkeypatch.setattr(tiles, "_per_call_invariant", lambda weight: False)
     monkeypatch.setattr(tiles.TileCheck, "_done", set())
     with pytest.raises(tiles.NotDeterministic, match="isolation.deterministic .* core.weights: int8"):
         EngineCore(models["llama", "int8-weights"], harness.tiny_options(deterministic=True))
