@@ -84,7 +84,7 @@ class TorchStep:
 
     def _decode_group(self, decodes: list[Segment], device):
         if not self.deterministic:
-            return _DecodeGroup(decodes, self.kv.block_size, device)
+            return _DecodeGroups(decodes, self.kv.block_size, device)
         assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"
         return FixedDecodes(decodes, self.kv.block_size, device)
 
@@ -130,13 +130,47 @@ def _attend_segment(q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segm
     return out[0].transpose(0, 1)
 
 
+class _DecodeGroups:
+    """Single-token decodes split by context length, so short contexts are not padded to the longest.
+
+    Every decode reads its whole padded width of keys (gathered from the cache, then attended), so one
+    group of a 1,000-token and thirty 100-token contexts costs as much as 31 long ones. Contexts are
+    grouped by powers of two of their length: in a group the longest is at most twice the shortest
+    (above MIN_WIDTH), and a step has at most a handful of groups. A row's result does not depend on
+    its group (masked keys add exact zeros), only the work does.
+    """
+
+    MIN_WIDTH = 128  # shorter contexts share one group: below this a call's fixed cost dominates
+
+    def __init__(self, segments: list[Segment], block_size: int, device: torch.device):
+        by_bucket: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            by_bucket.setdefault(max(seg.kv_len - 1, self.MIN_WIDTH - 1).bit_length(), []).append(i)
+        self.rows = torch.tensor([s.q_start for s in segments], device=device)
+        self.groups = []
+        for places in by_bucket.values():
+            group = _DecodeGroup([segments[i] for i in places], block_size, device)
+            group.index = torch.tensor(places, device=device)
+            self.groups.append(group)
+        self.in_order = len(self.groups) == 1
+
+    def attend(self, q, cache: LayerKV) -> torch.Tensor:
+        """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
+        if self.in_order:
+            return self.groups[0].attend(q, cache)
+        out = q.new_empty(q.shape)
+        for group in self.groups:
+            out[group.index] = group.attend(q[group.index], cache)
+        return out
+
+
 class _DecodeGroup:
     """Single-token decodes of several questions, padded to the longest context and masked per row."""
 
     def __init__(self, segments: list[Segment], block_size: int, device: torch.device):
         longest = max(s.kv_len for s in segments)
         slots, visible = padded_slots(segments, block_size, longest)
-        self.rows = torch.tensor([s.q_start for s in segments], device=device)
+        self.index: torch.Tensor | None = None  # its places among a step's decode rows (_DecodeGroups)
         self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing
         self.batch, self.longest = len(segments), longest
         self.mask = visible[:, None, None, :].to(device)

@@ -245,3 +245,23 @@ def test_adversarial_neighbours_change_nothing(real_pipeline, real_solo, kinds):
     assert max(packed.audit.batch_sizes) == len(batch)
     if kinds == ("long",):
         assert min(a.usage.prompt_tokens for a in answers if a is not packed) > 550
+
+
+@pytest.mark.parametrize("victim_len", [30, 300])
+def test_decodes_split_by_context_length_keep_every_solo_answer(tiny, harness, victim_len):
+    """Contexts from 10 to 450 tokens decode in separate length groups (the victim's group changes with
+    its length); no answer may change."""
+    from engine.attention import Segment, _DecodeGroups
+
+    rng = random.Random(victim_len)
+    lengths = [10, 60, 150, 200, 400, 450]
+    groups = _DecodeGroups([Segment(i, 1, n + 5, tuple(range(i * 40, i * 40 + 40))) for i, n in enumerate(lengths)],
+                           16, tiny.kev.device)
+    assert len(groups.groups) == 3
+    target = harness.Q("victim", harness.random_prompt(rng, victim_len), dict(max_new_tokens=16, temperature=0.0))
+    others = [harness.Q(f"n{i}", harness.random_prompt(rng, n), dict(max_new_tokens=16, temperature=0.0))
+              for i, n in enumerate(lengths)]
+    batch = packed_with(harness, target, others, victim_len)
+    packed = harness.run_core(tiny.kev, batch)
+    for q in batch:
+        assert packed.tokens(q.qid) == harness.run_core(tiny.kev, [q]).tokens(q.qid), q.qid
