@@ -147,20 +147,18 @@ class _DecodeGroups:
         for i, seg in enumerate(segments):
             by_bucket.setdefault(max(seg.kv_len - 1, self.MIN_WIDTH - 1).bit_length(), []).append(i)
         self.rows = torch.tensor([s.q_start for s in segments], device=device)
-        self.groups = []
-        for places in by_bucket.values():
-            group = _DecodeGroup([segments[i] for i in places], block_size, device)
-            group.index = torch.tensor(places, device=device)
-            self.groups.append(group)
-        self.in_order = len(self.groups) == 1
+        # Each group with its places among the decode rows.
+        self.groups = [(torch.tensor(places, device=device),
+                        _DecodeGroup([segments[i] for i in places], block_size, device))
+                       for places in by_bucket.values()]
 
     def attend(self, q, cache: LayerKV) -> torch.Tensor:
         """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
-        if self.in_order:
-            return self.groups[0].attend(q, cache)
+        if len(self.groups) == 1:
+            return self.groups[0][1].attend(q, cache)
         out = q.new_empty(q.shape)
-        for group in self.groups:
-            out[group.index] = group.attend(q[group.index], cache)
+        for places, group in self.groups:
+            out[places] = group.attend(q[places], cache)
         return out
 
 
@@ -170,7 +168,6 @@ class _DecodeGroup:
     def __init__(self, segments: list[Segment], block_size: int, device: torch.device):
         longest = max(s.kv_len for s in segments)
         slots, visible = padded_slots(segments, block_size, longest)
-        self.index: torch.Tensor | None = None  # its places among a step's decode rows (_DecodeGroups)
         self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing
         self.batch, self.longest = len(segments), longest
         self.mask = visible[:, None, None, :].to(device)
