@@ -60,4 +60,13 @@ def _gateway(args: argparse.Namespace) -> int:
               "`kev demo --http` runs a worker and the gateway together on the embedded broker", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
-    return anyio.run(partial(run_service, partial(run_gateway, cfg), drain_deadline=10.0), backend="asyncio")
+    return anyio.run(partial(run_service, partial(run_gateway, cfg), drain_deadline=10.0), backend="asyncio",
+                     backend_options={"use_uvloop": _has_uvloop()})
+
+
+def _has_uvloop() -> bool:
+    """uvloop's event loop takes ~30% less CPU per request than asyncio's; without it (not on Windows) the
+    gateway runs on plain asyncio."""
+    import importlib.util
+
+    return importlib.util.find_spec("uvloop") is not None

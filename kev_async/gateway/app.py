@@ -11,6 +11,7 @@ question on the control topic so the worker frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +39,14 @@ log = structlog.get_logger("kev.gateway")
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
 _JSON = msgspec.json.Encoder()
+# Question ids: 64 random bits per process, then a counter. uuid4 per request would cost a getrandom
+# syscall each; 32 hex digits either way, unique across gateways and restarts.
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def _new_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 @dataclass
@@ -123,7 +132,7 @@ async def _answer(request: Request, kind: type[ChatRequest] | type[CompletionReq
     parsed = parse_request(body, kind)
     adapter = gateway.catalog.resolve(parsed.model)
     chat = kind is ChatRequest
-    question_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    question_id = f"{'chatcmpl' if chat else 'cmpl'}-{_new_id()}"
     timeout_ms = gateway.deadline_ms(request, bool(parsed.stream))
     question = to_question(parsed, question_id=question_id, tenant=tenant, reply_topic=gateway.replies.topic,
                            timeout_ms=timeout_ms, adapter=adapter, max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)

@@ -29,6 +29,8 @@ class GatewayMetrics:
                                "Cancels sent to the workers (client gone or deadline passed).", registry=r)
         self.publish_failures = Counter("kev_gateway_publish_failures_total",
                                         "Questions the broker did not ack in time (answered 503).", registry=r)
+        self._counts: dict[tuple[str, int], Counter] = {}
+        self._latencies: dict[str, Histogram] = {}
 
     @contextmanager
     def waiting(self):
@@ -39,8 +41,15 @@ class GatewayMetrics:
             self.in_flight.dec()
 
     def observe(self, route: str, status: int, started: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(time.perf_counter() - started)
+        # prometheus_client's labels() takes a lock and builds a key on every call: keep each child once.
+        count = self._counts.get((route, status))
+        if count is None:
+            count = self._counts[route, status] = self.requests.labels(route, str(status))
+        latency = self._latencies.get(route)
+        if latency is None:
+            latency = self._latencies[route] = self.latency.labels(route)
+        count.inc()
+        latency.observe(time.perf_counter() - started)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,8 @@ import msgspec
 from kev_async.gateway.errors import ApiError
 from schemas import AnswerEvent
 
+_JSON = msgspec.json.Encoder()
+
 # Kev's finish_reason -> OpenAI's. "error" never gets here (it becomes an HTTP error); "cancelled"
 # only reaches a client whose question someone else cancelled.
 FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
@@ -99,11 +101,15 @@ def kev_headers(answer: AnswerEvent) -> dict[str, str]:
 
 
 def ascii_json(data: Any) -> str:
+    # msgspec is ~5x faster than json; it writes non-ASCII as UTF-8, which a header value cannot carry.
+    raw = _JSON.encode(data)
+    if raw.isascii():
+        return raw.decode()
     return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
 
 
 def sse(data: Any) -> bytes:
-    return b"data: " + ascii_json(data).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(data) + b"\n\n"  # an event stream is UTF-8
 
 
 SSE_DONE = b"data: [DONE]\n\n"

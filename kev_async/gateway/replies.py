@@ -34,17 +34,19 @@ FETCH_MAX_WAIT_MS = 20
 
 
 class Pending:
-    """One question's replies as they arrive: deltas (in seq order, duplicates dropped), then the answer."""
+    """One question's replies as they arrive. Every request waits on `answered`; a streamed one also reads
+    `events()`: deltas (in seq order, duplicates dropped), then the answer."""
 
-    def __init__(self, question_id: str) -> None:
+    def __init__(self, question_id: str, *, streamed: bool = False) -> None:
         self.question_id = question_id
         self.answer: AnswerEvent | None = None
-        # The answer alone, for a request that does not stream: one future is cheaper to wait on than the stream.
         self.answered: asyncio.Future[AnswerEvent] = asyncio.get_running_loop().create_future()
         self._next_seq = 0
-        self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta]
-        self._receive: MemoryObjectReceiveStream[AnswerEvent | AnswerDelta]
-        self._send, self._receive = anyio.create_memory_object_stream(math.inf)
+        # Only a stream needs a buffer of events: a whole answer waits on the future alone, which is cheaper.
+        self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta] | None = None
+        self._receive: MemoryObjectReceiveStream[AnswerEvent | AnswerDelta] | None = None
+        if streamed:
+            self._send, self._receive = anyio.create_memory_object_stream(math.inf)
 
     def deliver(self, event: AnswerEvent | AnswerDelta) -> None:
         if self.answer is not None:
@@ -56,10 +58,13 @@ class Pending:
         else:
             self.answer = event
             self.answered.set_result(event)
-        self._send.send_nowait(event)
+        if self._send is not None:
+            self._send.send_nowait(event)
 
     async def events(self) -> AsyncIterator[AnswerEvent | AnswerDelta]:
-        """Every reply until (and with) the answer."""
+        """Every reply until (and with) the answer; only for a Pending made with streamed=True."""
+        if self._receive is None:
+            raise RuntimeError(f"{self.question_id} is not streamed")
         async for event in self._receive:
             yield event
             if isinstance(event, AnswerEvent):
@@ -67,8 +72,9 @@ class Pending:
 
     def close(self) -> None:
         self.answered.cancel()  # no-op once answered; else nobody is left to retrieve it
-        self._send.close()
-        self._receive.close()
+        if self._send is not None:
+            self._send.close()
+            self._receive.close()
 
 
 class ReplyRouter:
@@ -83,9 +89,9 @@ class ReplyRouter:
         return len(self._pending)
 
     @contextmanager
-    def expect(self, question_id: str):
+    def expect(self, question_id: str, *, streamed: bool = False):
         """Register before publishing (an answer can come back before `publish` returns)."""
-        pending = self._pending[question_id] = Pending(question_id)
+        pending = self._pending[question_id] = Pending(question_id, streamed=streamed)
         try:
             yield pending
         finally:

@@ -49,7 +49,7 @@ class AnswerStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, question_id = self.gateway, self.question.question_id
-        with gateway.replies.expect(question_id) as pending, gateway.metrics.waiting():
+        with gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
             try:
                 await gateway.publish(self.question)
             except ApiError as error:  # nothing sent yet: a plain HTTP error is still possible
