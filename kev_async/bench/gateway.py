@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 import uuid
+from contextlib import asynccontextmanager
 from functools import partial
 
 import anyio
@@ -24,6 +25,7 @@ from kev_async.bench.arguments import positive_ints
 from kev_async.bench.model import bench_model
 
 PROMPT = "Name one colour. Question {i}."
+WARM_UP_S = 300
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -43,18 +45,22 @@ def register(kinds: argparse._SubParsersAction) -> None:
     gateway.add_argument("--gateway-process", action="store_true",
                          help="run the gateway as its own `kev gateway` process, as deployed, instead of in the "
                               "bench's event loop beside the worker and both clients")
+    gateway.add_argument("--worker-process", action="store_true",
+                         help="run the worker as its own `kev serve` process, as deployed, so that the clients' "
+                              "work in the bench's event loop does not delay the worker's")
     gateway.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
     model = bench_model(args)
     anyio.run(partial(bench_gateway, model, concurrency=args.concurrency, rounds=args.rounds,
-                      max_new_tokens=args.max_new_tokens, gateway_process=args.gateway_process), backend="asyncio")
+                      max_new_tokens=args.max_new_tokens, gateway_process=args.gateway_process,
+                      worker_process=args.worker_process), backend="asyncio")
     return 0
 
 
 async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max_new_tokens: int,
-                        gateway_process: bool = False, out=print) -> dict:
+                        gateway_process: bool = False, worker_process: bool = False, out=print) -> dict:
     """Latencies per path at each concurrency level; the returned figures are the highest level's."""
     import msgspec
 
@@ -72,38 +78,45 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
     shutdown = Shutdown(drain_deadline=30)
     async with embedded_kafka(cfg.kafka) as kafka, anyio.create_task_group() as tg:
         cfg = msgspec.structs.replace(cfg, kafka=kafka)
-        await tg.start(partial(serve, cfg, shutdown, model=model))
-        if gateway_process:
-            url = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, shutdown)
+        if worker_process:
+            await tg.start(_worker_process, cfg, model, shutdown)
         else:
-            url = (await tg.start(partial(run_gateway, cfg, shutdown))).url
+            await tg.start(partial(serve, cfg, shutdown, model=model))
+        if gateway_process:
+            url, gateway_pid = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, shutdown)
+        else:
+            url, gateway_pid = (await tg.start(partial(run_gateway, cfg, shutdown))).url, os.getpid()
         direct = _DirectClient(cfg.kafka, max_new_tokens)
         await direct.start()
         try:
             http = _HttpClient(url, max_new_tokens, max(levels))
-            await http.round(max(levels))  # warm both paths: group assignment, first forward
-            await direct.round(max(levels))
-            measured = {}
+            with anyio.fail_after(WARM_UP_S):  # a worker process loads its model and joins the group first
+                await http.round(max(levels))  # warm both paths: group assignment, first forward
+                await direct.round(max(levels))
+            measured, cpu_ms = {}, {}
             for level in levels:
                 latencies: dict[str, list[float]] = {"kafka": [], "gateway": []}
+                cpu_s = 0.0
                 for _ in range(rounds):
                     latencies["kafka"] += await direct.round(level)
+                    before = _cpu_seconds(gateway_pid)
                     latencies["gateway"] += await http.round(level)
+                    cpu_s += _cpu_seconds(gateway_pid) - before
                 measured[level] = latencies
+                if gateway_process:  # in the bench's process the worker's and clients' CPU would count too
+                    cpu_ms[level] = cpu_s * 1000 / (level * rounds)
             await http.close()
         finally:
             await direct.stop()
         shutdown.request("bench finished")
-    where = "its own process" if gateway_process else "the bench's process"
-    return _report(measured, model.name, rounds, max_new_tokens, where, out)
+    where = {True: "its own process", False: "the bench's process"}
+    return _report(measured, cpu_ms, model.name, rounds, max_new_tokens, where[gateway_process],
+                   where[worker_process], out)
 
 
 async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> None:
     """`kev gateway` as a child process on a free port; started once /health answers, stopped with SIGTERM."""
-    import signal
     import socket
-    import subprocess
-    import sys
 
     import httpx
 
@@ -111,11 +124,8 @@ async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> 
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "KEV_GATEWAY__SERVED_MODEL_NAME": "bench", "KEV_LOGGING__LEVEL": "warning"}
-    process = await anyio.open_process([sys.executable, "-m", "kev_async.cli", "gateway", "--bootstrap-servers",
-                                        bootstrap_servers, "--port", str(port)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=None)
-    try:
+    env = {"KEV_GATEWAY__SERVED_MODEL_NAME": "bench"}
+    async with _kev_process(["gateway", "--bootstrap-servers", bootstrap_servers, "--port", str(port)], env) as process:
         async with httpx.AsyncClient() as client:
             with anyio.fail_after(60):
                 while True:
@@ -127,20 +137,69 @@ async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> 
                     except httpx.TransportError:
                         pass
                     await anyio.sleep(0.2)
-        task_status.started(url)
+        task_status.started((url, process.pid))
         await shutdown.requested.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (Linux /proc; 0 elsewhere, and the CPU column reads 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+async def _worker_process(cfg, model, shutdown, *, task_status) -> None:
+    """`kev serve` as a child process with the bench's model, threads and router limit; stopped with SIGTERM.
+
+    Started at once: the warm-up round waits while it loads the model and joins the consumer group.
+    """
+    import torch
+
+    env = {"KEV_CORE__MODEL_PATH": str(model.path), "KEV_CORE__THREADS": str(torch.get_num_threads()),
+           "KEV_ROUTER__MAX_PARALLEL_QUERIES": str(cfg.router.max_parallel_queries), "KEV_METRICS__PORT": "0",
+           # the embedded broker holds a fetch for its whole wait, so the bench's broker came with a short one
+           "KEV_KAFKA__FETCH_MAX_WAIT_MS": str(cfg.kafka.fetch_max_wait_ms)}
+    async with _kev_process(["serve", "--bootstrap-servers", cfg.kafka.bootstrap_servers], env) as process:
+        task_status.started()
+        async with anyio.create_task_group() as tg:
+            async def exited() -> None:
+                await process.wait()
+                if not shutdown.requested.is_set():
+                    raise RuntimeError(f"`kev serve` exited with {process.returncode} during the bench")
+
+            tg.start_soon(exited)
+            await shutdown.requested.wait()
+            tg.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _kev_process(argv: list[str], env: dict[str, str]):
+    """`python -m kev_async.cli <argv>` with warnings-only logs; SIGTERM (then SIGKILL after 15 s) on the way out."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KEV_LOGGING__LEVEL": "warning", **env}
+    process = await anyio.open_process([sys.executable, "-m", "kev_async.cli", *argv], env=env,
+                                       stdout=subprocess.DEVNULL, stderr=None)
+    try:
+        yield process
     finally:
         with anyio.move_on_after(15, shield=True):
-            process.send_signal(signal.SIGTERM)
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
             await process.wait()
         if process.returncode is None:
             process.kill()
 
 
-def _report(measured: dict[int, dict[str, list[float]]], model: str, rounds: int, max_new_tokens: int,
-            where: str, out) -> dict:
+def _report(measured: dict[int, dict[str, list[float]]], cpu_ms: dict[int, float], model: str, rounds: int,
+            max_new_tokens: int, gateway_in: str, worker_in: str, out) -> dict:
     out(f"model {model}, {rounds} rounds per path and level, <= {max_new_tokens} new tokens, greedy, embedded "
-        f"broker, one in-process worker, the gateway in {where}")
+        f"broker, the gateway in {gateway_in}, the worker in {worker_in}")
     out("| concurrent | path | requests | p50 ms | p90 ms |\n|---:|---|---:|---:|---:|")
     rows = {}
     for level, latencies in measured.items():
@@ -150,28 +209,37 @@ def _report(measured: dict[int, dict[str, list[float]]], model: str, rounds: int
             p50[name] = statistics.median(ms)
             out(f"| {level} | {name} | {len(ms)} | {p50[name]:.1f} | {ms[int(0.9 * (len(ms) - 1))]:.1f} |")
         rows[level] = {"p50_ms": p50, "added_p50_ms": p50["gateway"] - p50["kafka"]}
+        if level in cpu_ms:
+            rows[level]["gateway_cpu_ms_per_request"] = cpu_ms[level]
     for level, row in rows.items():
-        out(f"gateway adds {row['added_p50_ms']:.1f} ms at p50 with {level} concurrent")
+        cpu = row.get("gateway_cpu_ms_per_request")
+        spent = f" (the gateway process used {cpu:.2f} ms of CPU per request)" if cpu is not None else ""
+        out(f"gateway adds {row['added_p50_ms']:.1f} ms at p50 with {level} concurrent{spent}")
     return {**rows[max(rows)], "levels": rows}
 
 
 class _HttpClient:
     """A lean HTTP/1.1 keep-alive client, one connection per concurrent request.
 
-    Not httpx: its connection pool scans every connection for every request, which at 64 concurrent
-    requests costs milliseconds of this event loop per request, and the gateway and the worker share
-    that loop here; the figure would be httpx's, not the gateway's.
+    Not httpx, nor anyio's streams: the clients run in the bench's process on the same cores as the
+    gateway and the worker, and their CPU would count as the gateway's. httpx's pool scans every
+    connection per request (milliseconds at 64 concurrent); anyio streams cost ~0.15 ms of CPU per
+    request more than the direct path's aiokafka send. A bare asyncio protocol costs least.
     """
 
     def __init__(self, url: str, max_new_tokens: int, concurrency: int) -> None:
         host_port = url.removeprefix("http://")
         self.host, port = host_port.rsplit(":", 1)
         self.port, self.max_new_tokens = int(port), max_new_tokens
-        self.connections: list = []
+        self.connections: list[_Connection] = []
 
     async def round(self, concurrency: int) -> list[float]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
         while len(self.connections) < concurrency:
-            self.connections.append(await _Connection.open(self.host, self.port))
+            _, connection = await loop.create_connection(lambda: _Connection(self.host), self.host, self.port)
+            self.connections.append(connection)
         latencies: list[float] = []
 
         async def one(i: int) -> None:
@@ -183,35 +251,61 @@ class _HttpClient:
                 raise RuntimeError(f"the gateway answered HTTP {status}")
             latencies.append(time.perf_counter() - started)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(concurrency):
-                tg.start_soon(one, i)
+        await asyncio.gather(*(one(i) for i in range(concurrency)))
         return latencies
 
     async def close(self) -> None:
         for connection in self.connections:
-            await connection.stream.aclose()
+            connection.transport.close()
 
 
 class _Connection:
-    def __init__(self, stream, host: str) -> None:
-        from anyio.streams.buffered import BufferedByteReceiveStream
+    """One keep-alive connection: a POST, then its response's status once the whole body is in."""
 
-        self.stream, self.host = stream, host
-        self.reader = BufferedByteReceiveStream(stream)
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.transport = None
+        self.buffer = b""
+        self.response = None  # the future of the request in flight
 
-    @classmethod
-    async def open(cls, host: str, port: int) -> "_Connection":
-        return cls(await anyio.connect_tcp(host, port), host)
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        head_end = self.buffer.find(b"\r\n\r\n")
+        if head_end < 0 or self.response is None:
+            return
+        lines = self.buffer[:head_end].decode("latin-1").split("\r\n")
+        length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+        if len(self.buffer) >= head_end + 4 + length:
+            self.buffer = self.buffer[head_end + 4 + length:]
+            self.response.set_result(int(lines[0].split()[1]))
+
+    def connection_lost(self, error) -> None:
+        if self.response is not None and not self.response.done():
+            self.response.set_exception(ConnectionError(f"the gateway closed the connection ({error})"))
+
+    def eof_received(self) -> None:
+        return None
+
+    def pause_writing(self) -> None:
+        return None
+
+    def resume_writing(self) -> None:
+        return None
 
     async def post(self, path: str, body: bytes) -> int:
+        import asyncio
+
         head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode()
-        await self.stream.send(head + body)
-        lines = (await self.reader.receive_until(b"\r\n\r\n", 65536)).decode("latin-1").split("\r\n")
-        length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
-        await self.reader.receive_exactly(length)
-        return int(lines[0].split()[1])
+        self.response = asyncio.get_running_loop().create_future()
+        self.transport.write(head + body)
+        try:
+            return await self.response
+        finally:
+            self.response = None
 
 
 class _DirectClient:
