@@ -35,3 +35,15 @@ def test_bench_scaling_draws_the_plot(tiny_model_dir, tmp_path, capsys):
                  "--max-new-tokens", "3", "--threads", "2", "-o", str(plot)]) == 0
     assert "2 questions: kev" in capsys.readouterr().out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_step_times_full_decode_steps_against_the_matmul_floor(tiny_model_dir, capsys):
+    assert main(["bench", "step", "--model", str(tiny_model_dir), "--batch-sizes", "1,4", "--context", "40",
+                 "--steps", "3", "--threads", "2", "--profile"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
+    assert len(rows) == 2  # every timed step ran all rows, or bench_step raises
+    for row in rows:
+        step_ms, floor_ms, ratio = (float(cell.strip().rstrip("x")) for cell in row.split("|")[2:5])
+        assert step_ms > 0 and floor_ms > 0 and abs(ratio - step_ms / floor_ms) < 0.1 * ratio
+    assert "aten::" in out  # --profile: the largest batch's operators

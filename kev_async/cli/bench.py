@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from importlib import import_module
 
-BENCHES: tuple[str, ...] = ("engine", "lora", "scaling", "kafka", "load", "gateway", "routing", "precision")
+BENCHES: tuple[str, ...] = ("engine", "lora", "scaling", "kafka", "load", "gateway", "routing", "precision",
+                            "step")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

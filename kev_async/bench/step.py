@@ -1,0 +1,139 @@
+"""`kev bench step`: one decode step against its floor, the weight matmuls alone, at each batch size.
+
+A decode step at batch B runs B single-token rows through every layer: the weight matmuls (qkv,
+o_proj, gate_up, down per layer, then the output head) plus everything else (norms, rotary, the KV
+write and gather, attention, sampling, the step's Python). The matmuls alone, timed on the same
+weights with the engine's own `linear` at B rows, are the floor a step cannot go under; step / floor
+says how much of a step is not weight GEMM. B questions of `--context` random prompt tokens each are
+prefilled first; the timed steps are pure decode steps with all B rows (EOS is ignored here).
+`--profile` adds torch.profiler's top operators for the largest batch size's steps.
+torch and the engine are imported inside the functions: `kev --help` imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kev_async.bench.arguments import positive_ints
+
+
+def register(kinds: argparse._SubParsersAction) -> None:
+    step = kinds.add_parser(
+        "step", help="decode step time against the weight-matmul floor, per batch size",
+        description="Median decode step at each batch size (all rows at --context tokens) next to the same "
+                    "weight matmuls alone at that many rows; step / floor is the share a step spends outside "
+                    "weight GEMMs. --profile lists where the largest batch's step time goes.")
+    step.add_argument("--model", default="smollm2-135m-instruct")
+    step.add_argument("--batch-sizes", type=positive_ints("batch sizes", "1,8,32,64"), default=[1, 8, 32, 64])
+    step.add_argument("--context", type=int, default=400, help="prompt tokens per row before the timed steps "
+                                                              "(default 400)")
+    step.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
+    step.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model's load default)")
+    step.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
+    step.add_argument("--profile", action="store_true", help="torch.profiler over the largest batch's steps")
+    step.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from engine import load_model
+    from kev_async.settings import set_threads
+
+    set_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype)
+    bench_step(model, args.batch_sizes, context=args.context, steps=args.steps, profile=args.profile)
+    return 0
+
+
+def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int = 20, profile: bool = False,
+               out=print) -> list[dict]:
+    import torch
+
+    rows = []
+    for batch in batch_sizes:
+        core = _prefilled_core(model, batch, context, steps)
+        step_s = _decode_steps(core, batch, steps)
+        floor_s = _gemm_floor(core.runner.weights, batch, model.dtype, repeats=steps)
+        rows.append(dict(batch=batch, step_ms=step_s * 1000, gemm_ms=floor_s * 1000, ratio=step_s / floor_s,
+                         tokens_per_s=batch / step_s))
+        if profile and batch == max(batch_sizes):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                _decode_steps(core, batch, min(steps, 10))
+            out(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    _report(rows, model, context, steps, out)
+    return rows
+
+
+def _prefilled_core(model, batch: int, context: int, steps: int):
+    """An engine holding `batch` questions of `context` random tokens, every one past its prefill."""
+    import torch
+
+    from engine import EngineOptions
+    from engine.core import EngineCore
+    from schemas import Params, QuestionEvent
+
+    budget = context + 3 * steps + 8  # prefill, warm-up, timed, profiled steps
+    options = EngineOptions(max_batch_size=batch, max_context=budget + 16, batch_window_ms=0,
+                            kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(model.dtype))
+    core = EngineCore(model, options)
+    core.stop_token_ids = ()  # every row decodes for all timed steps
+    ids = torch.randint(100, model.spec.vocab_size - 100, (batch, context), generator=torch.Generator().manual_seed(0))
+    for i in range(batch):
+        question = QuestionEvent(question_id=f"step-{i}", prompt="-", params=Params(max_new_tokens=budget - context))
+        core.add(question, prompt_ids=ids[i].tolist())
+    while core.num_generated < batch:  # chunked prefill; each row's first token comes with its last chunk
+        core.step()
+    return core
+
+
+def _decode_steps(core, batch: int, steps: int) -> float:
+    """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones)."""
+    sizes: list[int] = []
+    core.step_observer = sizes.append
+    times = []
+    for i in range(steps + 2):
+        sizes.clear()
+        started = time.perf_counter()
+        core.step()
+        elapsed = time.perf_counter() - started
+        if i >= 2 and sizes == [batch]:
+            times.append(elapsed)
+    core.step_observer = None
+    if not times:
+        raise RuntimeError(f"no decode step ran all {batch} rows")
+    return statistics.median(times)
+
+
+def _gemm_floor(weights, batch: int, dtype, repeats: int) -> float:
+    """Median seconds of one step's weight matmuls alone at `batch` rows, through the engine's `linear`."""
+    import torch
+
+    spec = weights.spec
+    x = torch.randn(batch, spec.hidden_size, dtype=dtype)
+    attn_out = torch.randn(batch, spec.num_heads * spec.head_dim, dtype=dtype)
+    act = torch.randn(batch, spec.intermediate_size, dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            started = time.perf_counter()
+            for layer in weights.layers:
+                weights.linear(x, layer.qkv, layer.qkv_bias)
+                weights.linear(attn_out, layer.o_proj)
+                weights.linear(x, layer.gate_up)
+                weights.linear(act, layer.down)
+            weights.linear(x, weights.lm_head)
+            if i >= 2:
+                times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _report(rows: list[dict], model, context: int, steps: int, out) -> None:
+    import torch
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    out(f"model {model.name} ({dtype}, {model.weight_format} weights), {torch.get_num_threads()} threads, every "
+        f"row at ~{context} tokens of context, median of {steps} decode steps")
+    out("| batch | decode step ms | weight matmuls alone ms | step / matmuls | tokens/s |\n|---:|---:|---:|---:|---:|")
+    for r in rows:
+        out(f"| {r['batch']} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['ratio']:.2f}x | {r['tokens_per_s']:.1f} |")
