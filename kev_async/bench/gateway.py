@@ -237,6 +237,8 @@ class _HttpClient:
         import asyncio
 
         loop = asyncio.get_running_loop()
+        # uvicorn closes a keep-alive connection idle for 5 s, as a lower level's slow rounds can leave it.
+        self.connections = [c for c in self.connections if not c.transport.is_closing()]
         while len(self.connections) < concurrency:
             _, connection = await loop.create_connection(lambda: _Connection(self.host), self.host, self.port)
             self.connections.append(connection)
