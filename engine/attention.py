@@ -1,6 +1,7 @@
 """Attention over a packed batch, each question seeing only its own keys.
 
-One interface, two backends: `TorchAttention` (any device; torch SDPA per segment, decodes grouped)
+One interface, two backends: `TorchAttention` (any device; torch SDPA per segment; decodes read the
+block pool in place with engine/paged_decode.py's kernel on CPU, else grouped and padded for SDPA)
 and `FlashAttention` in engine/flash.py (CUDA + flash-attn varlen with block tables). Both first write
 the step's new K/V into the question's own cache slots, then attend. No backend ever builds a mask
 over the whole packed batch: masks are per question, or per group of single-token decodes.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import paged_decode
 from engine.fixed_attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
 from engine.kv_cache import KVCache, LayerKV, padded_slots
 
@@ -84,6 +86,8 @@ class TorchStep:
 
     def _decode_group(self, decodes: list[Segment], device):
         if not self.deterministic:
+            if paged_decode.usable(self.kv):  # reads the pool in place: no gather, no padding
+                return paged_decode.PagedDecodes(decodes, self.kv.block_size, device)
             return _DecodeGroups(decodes, self.kv.block_size, device)
         assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"
         return FixedDecodes(decodes, self.kv.block_size, device)

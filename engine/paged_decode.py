@@ -1,0 +1,201 @@
+"""Single-token decode attention that reads each question's keys and values where they lie in the block
+pool, instead of gathering them into a padded batch first (CPU, fp32 and bf16 caches).
+
+The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`kev bench step --profile`):
+it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
+attention then reads the copy again. This kernel reads each key and value once, from its slot.
+
+One task per (question, KV head): that head's query heads score every visible key of the question
+(its own block table, up to its own length), softmax, and sum its values, all in fp32. A task never
+reads another question's slots and its arithmetic does not depend on which other rows share the
+step, so a row's result is the same alone or packed (the tests check it).
+
+The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
+extension cache under a name keyed by this source and the CPU's flags, so a cache carried to another
+CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0, decodes use the SDPA path
+(engine/attention.py's _DecodeGroups); `kernel()` logs which once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import structlog
+import torch
+
+log = structlog.get_logger("kev.engine.paged_decode")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// D (head size) and G (query heads per KV head) are compile-time constants, so a question's running
+// sums stay in registers and every loop over D vectorises.
+template <typename T, int D, int G>
+static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lengths, T* out,
+                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
+                        float scale) {
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, len = lengths[b];
+      const int64_t* blocks = table + b * max_blocks;
+      const int64_t first_head = b * heads + h * G;
+      const int64_t stride = kv_heads * D;
+      scores.resize(G * len);
+      float query[G][D];
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) query[g][d] = static_cast<float>(q[(first_head + g) * D + d]) * scale;
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // block by block: no division per key
+        const T* key = k + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
+        const int64_t in_block = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < in_block; ++j, key += stride) {
+          float kf[D];
+          for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(key[d]);
+          for (int g = 0; g < G; ++g) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < D; ++d) s += query[g][d] * kf[d];
+            scores[g * len + t0 + j] = s;
+          }
+        }
+      }
+      float total[G];
+      for (int g = 0; g < G; ++g) {
+        float* row = scores.data() + g * len;
+        const float top = *std::max_element(row, row + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          row[t] = expf(row[t] - top);
+          sum += row[t];
+        }
+        total[g] = sum;
+      }
+      float acc[G][D] = {};
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* value = v + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
+        const int64_t in_block = std::min(block_size, len - t0);
+        for (int64_t j = 0; j < in_block; ++j, value += stride) {
+          float vf[D];
+          for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(value[d]);
+          for (int g = 0; g < G; ++g) {
+            const float p = scores[g * len + t0 + j];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) out[(first_head + g) * D + d] = static_cast<T>(acc[g][d] / total[g]);
+    }
+  });
+}
+
+template <typename T>
+static bool dispatch(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lengths, T* out,
+                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+                     int64_t block_size, float scale) {
+#define KEV_CASE(DIM, GROUP)                                                                           \
+  if (dim == DIM && heads == GROUP * kv_heads) {                                                       \
+    decode_rows<T, DIM, GROUP>(q, k, v, table, lengths, out, batch, heads, kv_heads, max_blocks, block_size, scale); \
+    return true;                                                                                       \
+  }
+#define KEV_DIM(DIM) KEV_CASE(DIM, 1) KEV_CASE(DIM, 2) KEV_CASE(DIM, 3) KEV_CASE(DIM, 4) KEV_CASE(DIM, 8)
+  KEV_DIM(16) KEV_DIM(32) KEV_DIM(64) KEV_DIM(128)
+#undef KEV_DIM
+#undef KEV_CASE
+  return false;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                           torch::Tensor lengths, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
+  TORCH_CHECK(table.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type());
+  auto table_c = table.contiguous();
+  auto lengths_c = lengths.contiguous();
+  auto out = torch::empty_like(q);
+  bool done = false;
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
+    AT_DISPATCH_CASE(at::ScalarType::Float, [&] {
+      done = dispatch<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                table_c.data_ptr<int64_t>(), lengths_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                q.size(0), q.size(1), k.size(1), q.size(2), table_c.size(1), block_size,
+                                static_cast<float>(scale));
+    })
+    AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] {
+      done = dispatch<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                table_c.data_ptr<int64_t>(), lengths_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                q.size(0), q.size(1), k.size(1), q.size(2), table_c.size(1), block_size,
+                                static_cast<float>(scale));
+    }));
+  TORCH_CHECK(done, "paged_decode: no kernel for head size ", q.size(2), " with ", q.size(1), " heads over ",
+              k.size(1), " KV heads");
+  return out;
+}
+"""
+
+
+@functools.cache
+def kernel():
+    """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
+    if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
+        log.info("attention.paged_decode_off", reason="KEV_PAGED_DECODE=0")
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(name=f"kev_paged_decode_{_build_key()}", cpp_sources=_SOURCE,
+                             functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                             extra_ldflags=["-fopenmp"],
+                             verbose=False)
+    except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
+        log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
+        return None
+    return module.paged_decode
+
+
+def _build_key() -> str:
+    """This source and this CPU's flags: a build for one CPU is never loaded on another."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
+
+
+# The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).
+HEAD_SIZES = (16, 32, 64, 128)
+GROUPS = (1, 2, 3, 4, 8)
+
+
+def usable(kv) -> bool:
+    """Whether decodes over this cache can take the kernel: CPU, an fp32 or bf16 cache (not int8), a
+    compiled head shape."""
+    return (kv.k.device.type == "cpu" and not kv.quantized and kv.k.dtype in (torch.float32, torch.bfloat16)
+            and kv.k.shape[-1] in HEAD_SIZES and kv.group in GROUPS and kernel() is not None)
+
+
+class PagedDecodes:
+    """Single-token decodes of any lengths, each attending its own slots in place: no padding, no gather."""
+
+    def __init__(self, segments: list, block_size: int, device: torch.device):
+        widest = max(len(s.block_ids) for s in segments)
+        self.table = torch.tensor([s.block_ids + (0,) * (widest - len(s.block_ids)) for s in segments],
+                                  dtype=torch.long)
+        self.lengths = torch.tensor([s.kv_len for s in segments], dtype=torch.long)
+        self.rows = torch.tensor([s.q_start for s in segments], device=device)
+        self.block_size = block_size
+
+    def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
+        """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
+        with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`
+            return kernel()(q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size,
+                            q.shape[-1] ** -0.5)

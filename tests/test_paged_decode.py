@@ -1,0 +1,75 @@
+"""The CPU decode kernel (engine/paged_decode.py) reads each question's keys where they lie in the pool.
+
+It must give SDPA's answer, the same bits alone or packed, and never read a slot the question has not
+written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import paged_decode
+from engine.attention import Segment, TorchAttention, _DecodeGroups
+from engine.kv_cache import KVCache
+
+pytestmark = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler for the CPU decode kernel")
+
+BLOCK = 16
+SPEC = SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=64, num_heads=9)
+
+
+def _setup(dtype, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = KVCache(SPEC, 256, BLOCK, dtype, torch.device("cpu"))
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    free = torch.randperm(256, generator=gen).tolist()
+    segments = []
+    for row, length in enumerate(lengths):
+        blocks = tuple(free.pop() for _ in range(-(-length // BLOCK)))
+        segments.append(Segment(row, 1, length, blocks, generated=True))
+    q = torch.randn(len(lengths), SPEC.num_heads, SPEC.head_dim, generator=gen).to(dtype)
+    return kv, segments, q
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance):
+    kv, segments, q = _setup(dtype, [1, 7, 16, 17, 130, 300, 45])
+    layer = kv.layers[0]
+    paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_row_is_the_same_bits_alone_or_packed():
+    kv, segments, q = _setup(torch.float32, [5, 33, 200, 64, 129])
+    layer = kv.layers[0]
+    packed = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    for row, seg in enumerate(segments):
+        alone = paged_decode.PagedDecodes([Segment(0, 1, seg.kv_len, seg.block_ids, True)], BLOCK,
+                                          torch.device("cpu")).attend(q[row:row + 1], layer)
+        assert torch.equal(alone[0], packed[row])
+
+
+def test_a_question_never_reads_a_slot_it_has_not_written():
+    kv, segments, q = _setup(torch.float32, [3, 40, 100])
+    layer = kv.layers[0]
+    before = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    owned = torch.zeros(kv.k.shape[1], dtype=torch.bool)
+    for seg in segments:
+        for pos in range(seg.kv_len):
+            owned[seg.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK] = True
+    kv.k[0][~owned] = float("nan")  # every other question's slots, and each block's unwritten tail
+    kv.v[0][~owned] = float("nan")
+    after = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    assert torch.equal(before, after)
+
+
+def test_cpu_decodes_take_the_kernel_and_int8_caches_do_not():
+    kv, segments, _ = _setup(torch.float32, [10, 20])
+    step = TorchAttention(kv).prepare(segments)
+    assert isinstance(step.decode, paged_decode.PagedDecodes)
+    int8 = KVCache(SPEC, 64, BLOCK, torch.int8, torch.device("cpu"))
+    assert not paged_decode.usable(int8)
+    assert isinstance(TorchAttention(int8).prepare(segments).decode, _DecodeGroups)
