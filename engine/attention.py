@@ -64,6 +64,8 @@ class TorchAttention:
         self.deterministic = deterministic
         if deterministic:
             check_fixed_attention(kv.k.shape[-1], kv.compute_dtype, kv.group)
+        # Decided (and the kernel built or loaded) here, when the engine starts, not at its first decode.
+        self.paged = not deterministic and paged_decode.usable(kv)
 
     def prepare(self, segments: list[Segment]) -> "TorchStep":
         return TorchStep(self, segments)
@@ -73,7 +75,7 @@ class TorchStep:
     def __init__(self, backend: TorchAttention, segments: list[Segment]):
         kv, device = backend.kv, backend.kv.k.device
         self.kv = kv
-        self.deterministic = backend.deterministic
+        self.deterministic, self.paged = backend.deterministic, backend.paged
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
         # Single-token decodes attend together: chosen by role in deterministic mode (a generated
         # token always takes the decode path there), else by size.
@@ -86,7 +88,7 @@ class TorchStep:
 
     def _decode_group(self, decodes: list[Segment], device):
         if not self.deterministic:
-            if paged_decode.usable(self.kv):  # reads the pool in place: no gather, no padding
+            if self.paged:  # reads the pool in place: no gather, no padding
                 return paged_decode.PagedDecodes(decodes, self.kv.block_size, device)
             return _DecodeGroups(decodes, self.kv.block_size, device)
         assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"

@@ -82,6 +82,10 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
                                             deterministic=deterministic, int8=weight_format == "int8")
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
+        from engine.paged_decode import kernel
+
+        kernel()
     return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)
 
 

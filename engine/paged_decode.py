@@ -114,13 +114,32 @@ static bool dispatch(const T* q, const T* k, const T* v, const int64_t* table, c
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
                            torch::Tensor lengths, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
-  TORCH_CHECK(table.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong);
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
+              lengths.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == q.size(2),
+              "paged_decode: q [B, H, D], k and v [slots, KVH, D]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type());
+  TORCH_CHECK(table.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong && table.dim() == 2 &&
+              lengths.dim() == 1 && table.size(0) == q.size(0) && lengths.size(0) == q.size(0),
+              "paged_decode: table [B, blocks] and lengths [B], int64");
+  TORCH_CHECK(block_size > 0 && k.size(0) % block_size == 0);
   auto table_c = table.contiguous();
   auto lengths_c = lengths.contiguous();
+  // Every row reads only its own blocks: its length fits its table, its block ids lie in the pool.
+  const int64_t num_blocks = k.size(0) / block_size, width = table_c.size(1);
+  const int64_t* table_p = table_c.data_ptr<int64_t>();
+  const int64_t* lengths_p = lengths_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lengths_p[b] >= 1 && lengths_p[b] <= width * block_size, "paged_decode: row ", b, " has length ",
+                lengths_p[b], " for ", width, " blocks of ", block_size);
+    for (int64_t i = 0; i < (lengths_p[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table_p[b * width + i] >= 0 && table_p[b * width + i] < num_blocks, "paged_decode: row ", b,
+                  " names block ", table_p[b * width + i], " of ", num_blocks);
+  }
   auto out = torch::empty_like(q);
   bool done = false;
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
     AT_DISPATCH_CASE(at::ScalarType::Float, [&] {
       done = dispatch<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
@@ -150,6 +169,7 @@ def kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
+        log.info("attention.paged_decode_loading", note="the first time on a machine this compiles (~1 min)")
         module = load_inline(name=f"kev_paged_decode_{_build_key()}", cpp_sources=_SOURCE,
                              functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                              extra_ldflags=["-fopenmp"],
@@ -188,7 +208,8 @@ class PagedDecodes:
 
     def __init__(self, segments: list, block_size: int, device: torch.device):
         widest = max(len(s.block_ids) for s in segments)
-        self.table = torch.tensor([s.block_ids + (0,) * (widest - len(s.block_ids)) for s in segments],
+        # Padding names the row's own first block (never read: a row stops at its length).
+        self.table = torch.tensor([s.block_ids + s.block_ids[:1] * (widest - len(s.block_ids)) for s in segments],
                                   dtype=torch.long)
         self.lengths = torch.tensor([s.kv_len for s in segments], dtype=torch.long)
         self.rows = torch.tensor([s.q_start for s in segments], device=device)

@@ -73,22 +73,24 @@ def _prefilled_core(model, batch: int, context: int, steps: int):
     from engine.core import EngineCore
     from schemas import Params, QuestionEvent
 
-    budget = context + 3 * steps + 8  # prefill, warm-up, timed, profiled steps
+    options = EngineOptions(max_batch_size=batch, batch_window_ms=0)
+    # Rows prefilled early decode while later ones prefill: leave room for those tokens too.
+    prefill_steps = -(-batch * context // options.max_tokens_per_step) + 2
+    new_tokens = prefill_steps + 3 * steps + 8  # prefill, warm-up, timed and profiled steps
+    budget = context + new_tokens
     options = EngineOptions(max_batch_size=batch, max_context=budget + 16, batch_window_ms=0,
                             kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(model.dtype))
     core = EngineCore(model, options)
     core.stop_token_ids = ()  # every row decodes for all timed steps
     ids = torch.randint(100, model.spec.vocab_size - 100, (batch, context), generator=torch.Generator().manual_seed(0))
-    for i in range(batch):
-        question = QuestionEvent(question_id=f"step-{i}", prompt="-", params=Params(max_new_tokens=budget - context))
-        core.add(question, prompt_ids=ids[i].tolist())
-    while core.num_generated < batch:  # chunked prefill; each row's first token comes with its last chunk
+    sequences = [core.add(QuestionEvent(question_id=f"step-{i}", prompt="-", params=Params(max_new_tokens=new_tokens)),
+                          prompt_ids=ids[i].tolist()) for i in range(batch)]
+    while not all(seq.output_ids for seq in sequences):  # each row's first token comes with its last chunk
         core.step()
     return core
-
-
 def _decode_steps(core, batch: int, steps: int) -> float:
-    """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones)."""
+    """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones); every
+    row is past its prefill, so each is one token per row."""
     sizes: list[int] = []
     core.step_observer = sizes.append
     times = []

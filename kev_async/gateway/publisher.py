@@ -7,8 +7,6 @@ than waiting out aiokafka's own 40 s metadata and request timeouts.
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -52,7 +50,7 @@ class QuestionPublisher:
     async def publish(self, question: QuestionEvent) -> None:
         """Send and wait for the broker's ack; BrokerUnavailable (503) when it does not come in time."""
         try:
-            async with asyncio.timeout(self.timeout):  # not anyio's cancel scope: ~10 µs less per request
+            with anyio.fail_after(self.timeout):
                 delivery = await self.producer.send(self.cfg.questions_topic, encode(question),
                                                     key=question.question_id.encode())
                 await delivery
