@@ -12,8 +12,8 @@ step, so a row's result is the same alone or packed (the tests check it).
 
 The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
 extension cache under a name keyed by this source and the CPU's flags, so a cache carried to another
-CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0, decodes use the SDPA path
-(engine/attention.py's _DecodeGroups); `kernel()` logs which once.
+CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0 when an engine is built, decodes
+use the SDPA path (engine/attention.py's _DecodeGroups).
 """
 
 from __future__ import annotations
@@ -34,6 +34,18 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+// Calls fn(t, row) for each position t < len of one question, `row` being that position's vector for
+// KV head h in `cache` ([slots, kv_heads, D]). Block by block: no division per position.
+template <typename T, int D, typename Fn>
+static inline void each_position(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
+                                 int64_t kv_heads, int64_t h, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* row = cache + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
+    const int64_t in_block = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < in_block; ++j, row += kv_heads * D) fn(t0 + j, row);
+  }
+}
+
 // D (head size) and G (query heads per KV head) are compile-time constants, so a question's running
 // sums stay in registers and every loop over D vectorises.
 template <typename T, int D, int G>
@@ -46,25 +58,20 @@ static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table
       const int64_t b = task / kv_heads, h = task % kv_heads, len = lengths[b];
       const int64_t* blocks = table + b * max_blocks;
       const int64_t first_head = b * heads + h * G;
-      const int64_t stride = kv_heads * D;
       scores.resize(G * len);
       float query[G][D];
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) query[g][d] = static_cast<float>(q[(first_head + g) * D + d]) * scale;
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // block by block: no division per key
-        const T* key = k + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
-        const int64_t in_block = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < in_block; ++j, key += stride) {
-          float kf[D];
-          for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(key[d]);
-          for (int g = 0; g < G; ++g) {
-            float s = 0.f;
+      each_position<T, D>(k, blocks, len, block_size, kv_heads, h, [&](int64_t t, const T* key) {
+        float kf[D];
+        for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(key[d]);
+        for (int g = 0; g < G; ++g) {
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int d = 0; d < D; ++d) s += query[g][d] * kf[d];
-            scores[g * len + t0 + j] = s;
-          }
+          for (int d = 0; d < D; ++d) s += query[g][d] * kf[d];
+          scores[g * len + t] = s;
         }
-      }
+      });
       float total[G];
       for (int g = 0; g < G; ++g) {
         float* row = scores.data() + g * len;
@@ -77,19 +84,15 @@ static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table
         total[g] = sum;
       }
       float acc[G][D] = {};
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* value = v + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
-        const int64_t in_block = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < in_block; ++j, value += stride) {
-          float vf[D];
-          for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(value[d]);
-          for (int g = 0; g < G; ++g) {
-            const float p = scores[g * len + t0 + j];
+      each_position<T, D>(v, blocks, len, block_size, kv_heads, h, [&](int64_t t, const T* value) {
+        float vf[D];
+        for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(value[d]);
+        for (int g = 0; g < G; ++g) {
+          const float p = scores[g * len + t];
 #pragma omp simd
-            for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
-          }
+          for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
         }
-      }
+      });
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) out[(first_head + g) * D + d] = static_cast<T>(acc[g][d] / total[g]);
     }
@@ -140,19 +143,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   auto out = torch::empty_like(q);
   bool done = false;
   pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
-  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
-    AT_DISPATCH_CASE(at::ScalarType::Float, [&] {
-      done = dispatch<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                table_c.data_ptr<int64_t>(), lengths_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                q.size(0), q.size(1), k.size(1), q.size(2), table_c.size(1), block_size,
-                                static_cast<float>(scale));
-    })
-    AT_DISPATCH_CASE(at::ScalarType::BFloat16, [&] {
-      done = dispatch<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                table_c.data_ptr<int64_t>(), lengths_c.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                q.size(0), q.size(1), k.size(1), q.size(2), table_c.size(1), block_size,
-                                static_cast<float>(scale));
-    }));
+  auto launch = [&](auto zero) {
+    using T = decltype(zero);
+    done = dispatch<T>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), table_p, lengths_p, out.data_ptr<T>(),
+                       q.size(0), q.size(1), k.size(1), q.size(2), width, block_size, static_cast<float>(scale));
+  };
+  if (q.scalar_type() == at::ScalarType::Float) launch(float{});
+  else if (q.scalar_type() == at::ScalarType::BFloat16) launch(c10::BFloat16{});
   TORCH_CHECK(done, "paged_decode: no kernel for head size ", q.size(2), " with ", q.size(1), " heads over ",
               k.size(1), " KV heads");
   return out;
@@ -160,12 +157,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 """
 
 
-@functools.cache
 def kernel():
     """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
     if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
-        log.info("attention.paged_decode_off", reason="KEV_PAGED_DECODE=0")
         return None
+    return _build()
+
+
+@functools.cache
+def _build():
     try:
         from torch.utils.cpp_extension import load_inline
 
