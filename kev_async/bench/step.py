@@ -13,6 +13,7 @@ torch and the engine are imported inside the functions: `kev --help` imports thi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -78,8 +79,8 @@ def _prefilled_core(model, batch: int, context: int, steps: int):
     prefill_steps = -(-batch * context // options.max_tokens_per_step) + 2
     new_tokens = prefill_steps + 3 * steps + 8  # prefill, warm-up, timed and profiled steps
     budget = context + new_tokens
-    options = EngineOptions(max_batch_size=batch, max_context=budget + 16, batch_window_ms=0,
-                            kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(model.dtype))
+    options = dataclasses.replace(options, max_context=budget + 16,
+                                  kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(model.dtype))
     core = EngineCore(model, options)
     core.stop_token_ids = ()  # every row decodes for all timed steps
     ids = torch.randint(100, model.spec.vocab_size - 100, (batch, context), generator=torch.Generator().manual_seed(0))
