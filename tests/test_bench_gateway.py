@@ -56,5 +56,5 @@ def test_bench_gateway_can_run_the_gateway_and_the_worker_as_processes(tiny_mode
     result = anyio.run(bench, backend="asyncio")
     assert result["p50_ms"]["kafka"] > 0 and result["p50_ms"]["gateway"] > 0
     assert "the worker in its own process" in lines[0]
-    assert result["gateway_cpu_ms_per_request"] >= 0  # in 10 ms clock ticks: 4 requests may read 0
+    assert result["gateway_cpu_ms_per_request"] > 0  # per-thread schedstat, in ns: 4 requests do register
     assert "of CPU per request" in lines[-1]
