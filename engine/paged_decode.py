@@ -166,18 +166,39 @@ def kernel():
 
 @functools.cache
 def _build():
+    name = f"kev_paged_decode_{_build_key()}"
+    try:
+        return _import_built(name).paged_decode
+    except Exception:  # not built on this machine yet (or not loadable): build it
+        pass
     try:
         from torch.utils.cpp_extension import load_inline
 
-        log.info("attention.paged_decode_loading", note="the first time on a machine this compiles (~1 min)")
-        module = load_inline(name=f"kev_paged_decode_{_build_key()}", cpp_sources=_SOURCE,
-                             functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                             extra_ldflags=["-fopenmp"],
-                             verbose=False)
+        log.info("attention.paged_decode_building", note="once per machine, about a minute")
+        module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
+                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
         log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
         return None
     return module.paged_decode
+
+
+def _import_built(name: str):
+    """The library an earlier build left, imported directly. load_inline would re-run ninja under a lock
+    file on every start (~1 s more), and a process killed while holding that lock leaves every later
+    start waiting on it."""
+    import importlib.util
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or not os.path.exists(library):
+        raise FileNotFoundError(library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _build_key() -> str:
