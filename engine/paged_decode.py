@@ -31,70 +31,138 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-// Calls fn(t, row) for each position t < len of one question, `row` being that position's vector for
-// KV head h in `cache` ([slots, kv_heads, D]). Block by block: no division per position.
-template <typename T, int D, typename Fn>
+// A vector of D values as fp32: bf16 is widened into a buffer, fp32 is read where it lies.
+template <typename T, int D>
+struct AsFloat {
+  float data[D];
+  const float* operator()(const T* p) {
+    for (int d = 0; d < D; ++d) data[d] = static_cast<float>(p[d]);
+    return data;
+  }
+};
+template <int D>
+struct AsFloat<float, D> {
+  const float* operator()(const float* p) { return p; }
+};
+
+// Dot product in 16 running sums folded by a fixed pairwise tree: it vectorises without -ffast-math,
+// and its order never changes, so the same inputs give the same bits.
+template <int D>
+static inline float dot(const float* a, const float* b) {
+  constexpr int W = D < 16 ? D : 16;
+  float lane[W];
+  for (int l = 0; l < W; ++l) lane[l] = a[l] * b[l];
+  for (int c = W; c < D; c += W)
+    for (int l = 0; l < W; ++l) lane[l] += a[c + l] * b[c + l];
+  for (int w = W / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+// exp(x) for x <= 0 in plain arithmetic, so a loop over it vectorises (libm's expf is a call per value):
+// x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-7 polynomial, 2^n written into the exponent.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: a weight that small counts as nothing either way
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// Calls fn(t, row) for each position t < len of one question, `row` being that position's keys (or
+// values) for all KV heads in `cache` ([slots, kv_heads, D]). Block by block: no division per position.
+template <typename T, typename Fn>
 static inline void each_position(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
-                                 int64_t kv_heads, int64_t h, Fn&& fn) {
+                                 int64_t stride, Fn&& fn) {
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* row = cache + (blocks[t0 / block_size] * block_size * kv_heads + h) * D;
+    const T* row = cache + blocks[t0 / block_size] * block_size * stride;
     const int64_t in_block = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < in_block; ++j, row += kv_heads * D) fn(t0 + j, row);
+    for (int64_t j = 0; j < in_block; ++j, row += stride) fn(t0 + j, row);
   }
 }
 
-// D (head size) and G (query heads per KV head) are compile-time constants, so a question's running
-// sums stay in registers and every loop over D vectorises.
+// One task: KV heads [h0, h1) of question b. Each query head's scores, softmax and weighted sum are
+// computed in the same order whichever heads share its task, so a row's bits do not depend on how the
+// step was split. D (head size) and G (query heads per KV head) are compile-time constants, so every
+// loop over D vectorises.
+template <typename T, int D, int G>
+static void decode_task(const T* q, const T* k, const T* v, const int64_t* blocks, int64_t len, T* out,
+                        int64_t b, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t block_size,
+                        float scale, std::vector<float>& buffer) {
+  const int64_t n = (h1 - h0) * G;  // query heads in this task
+  buffer.resize(n * (len + 2 * D));
+  float* query = buffer.data();      // [n, D]
+  float* acc = query + n * D;        // [n, D]
+  float* scores = acc + n * D;       // [n, len]
+  const int64_t first_head = b * heads + h0 * G, stride = kv_heads * D;
+  for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
+  AsFloat<T, D> as_float;
+  // Keys: the whole row of KV heads of a position lies together, so a task that owns all of them reads
+  // the pool sequentially, block by block.
+  each_position(k + h0 * D, blocks, len, block_size, stride, [&](int64_t t, const T* row) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      const float* key = as_float(row + h * D);
+      for (int g = 0; g < G; ++g) scores[(h * G + g) * len + t] = dot<D>(query + (h * G + g) * D, key);
+    }
+  });
+  float total[64];  // n <= 8 query heads per KV head x 8 KV heads per task, checked by the caller
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = scores + i * len;
+    const float top = *std::max_element(row, row + len);
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += row[t];  // in order: the same bits alone or packed
+    total[i] = sum;
+  }
+  std::fill(acc, acc + n * D, 0.f);
+  each_position(v + h0 * D, blocks, len, block_size, stride, [&](int64_t t, const T* row) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      const float* value = as_float(row + h * D);
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[(h * G + g) * len + t];
+        float* a = acc + (h * G + g) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p * value[d];
+      }
+    }
+  });
+  for (int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < D; ++d) out[(first_head + i) * D + d] = static_cast<T>(acc[i * D + d] / total[i]);
+}
+
+// Tasks are handed out one at a time (rows differ in length, so equal shares of rows are not equal
+// shares of work). With enough rows a task is a whole question, which reads its slots in order; with
+// few, each KV head is its own task so every thread has work.
 template <typename T, int D, int G>
 static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lengths, T* out,
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                         float scale) {
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = lengths[b];
-      const int64_t* blocks = table + b * max_blocks;
-      const int64_t first_head = b * heads + h * G;
-      scores.resize(G * len);
-      float query[G][D];
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) query[g][d] = static_cast<float>(q[(first_head + g) * D + d]) * scale;
-      each_position<T, D>(k, blocks, len, block_size, kv_heads, h, [&](int64_t t, const T* key) {
-        float kf[D];
-        for (int d = 0; d < D; ++d) kf[d] = static_cast<float>(key[d]);
-        for (int g = 0; g < G; ++g) {
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int d = 0; d < D; ++d) s += query[g][d] * kf[d];
-          scores[g * len + t] = s;
-        }
-      });
-      float total[G];
-      for (int g = 0; g < G; ++g) {
-        float* row = scores.data() + g * len;
-        const float top = *std::max_element(row, row + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = expf(row[t] - top);
-          sum += row[t];
-        }
-        total[g] = sum;
-      }
-      float acc[G][D] = {};
-      each_position<T, D>(v, blocks, len, block_size, kv_heads, h, [&](int64_t t, const T* value) {
-        float vf[D];
-        for (int d = 0; d < D; ++d) vf[d] = static_cast<float>(value[d]);
-        for (int g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[g][d] += p * vf[d];
-        }
-      });
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) out[(first_head + g) * D + d] = static_cast<T>(acc[g][d] / total[g]);
+  const int64_t threads = at::get_num_threads();
+  const int64_t per_task = (batch >= 4 * threads && kv_heads * G <= 64) ? kv_heads : 1;
+  const int64_t tasks = batch * (kv_heads / per_task);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> buffer;
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t b = task / (kv_heads / per_task), h0 = task % (kv_heads / per_task) * per_task;
+      decode_task<T, D, G>(q, k, v, table + b * max_blocks, lengths[b], out, b, h0, h0 + per_task, heads, kv_heads,
+                           block_size, scale, buffer);
     }
   });
 }
@@ -157,6 +225,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 """
 
 
+# -fno-trapping-math lets floor() vectorise in the softmax's exp; Kev never reads floating-point traps.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+
 def kernel():
     """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
     if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
@@ -176,7 +248,7 @@ def _build():
 
         log.info("attention.paged_decode_building", note="once per machine, about a minute")
         module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
-                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                             extra_cflags=_CFLAGS,
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
         log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
@@ -202,14 +274,14 @@ def _import_built(name: str):
 
 
 def _build_key() -> str:
-    """This source and this CPU's flags: a build for one CPU is never loaded on another."""
+    """This source, its compiler flags and this CPU's flags: a build for one CPU is never loaded on another."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
+    return hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
 # The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).

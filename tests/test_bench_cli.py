@@ -43,7 +43,11 @@ def test_bench_step_times_full_decode_steps_against_the_matmul_floor(tiny_model_
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
     assert len(rows) == 2  # every timed step ran all rows, or bench_step raises
+    kv_read = []
     for row in rows:
-        step_ms, floor_ms, ratio = (float(cell.strip().rstrip("x")) for cell in row.split("|")[2:5])
+        step_ms, floor_ms, ratio, kv_ms, floor_ratio = (float(cell.strip().rstrip("x")) for cell in row.split("|")[2:7])
         assert step_ms > 0 and floor_ms > 0 and abs(ratio - step_ms / floor_ms) < 0.1 * ratio
+        assert kv_ms > 0 and abs(floor_ratio - step_ms / (floor_ms + kv_ms)) < 0.1 * floor_ratio
+        kv_read.append(kv_ms)
+    assert 3 < kv_read[1] / kv_read[0] < 5  # 4 rows of the same context read ~4x the cache bytes of 1
     assert "aten::" in out  # --profile: the largest batch's operators

@@ -4,7 +4,10 @@ A decode step at batch B runs B single-token rows through every layer: the weigh
 o_proj, gate_up, down per layer, then the output head) plus everything else (norms, rotary, the KV
 write and gather, attention, sampling, the step's Python). The matmuls alone, timed on the same
 weights with the engine's own `linear` at B rows, are the floor a step cannot go under; step / floor
-says how much of a step is not weight GEMM. B questions of `--context` random prompt tokens each are
+says how much of a step is not weight GEMM. Attention must also read every row's cached keys and values
+once per layer, which no kernel avoids: that many bytes over the memory's read bandwidth (a large
+`sum` timed in the same run) is printed beside it, and step / (matmuls + KV read) is the share that
+neither floor explains. B questions of `--context` random prompt tokens each are
 prefilled first; the timed steps are pure decode steps with all B rows (EOS is ignored here).
 `--profile` adds torch.profiler's top operators for the largest batch size's steps.
 torch and the engine are imported inside the functions: `kev --help` imports this module.
@@ -52,18 +55,36 @@ def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int 
     import torch
 
     rows = []
+    bandwidth = _read_bandwidth()
     for batch in batch_sizes:
-        core = _prefilled_core(model, batch, context, steps)
+        core, sequences = _prefilled_core(model, batch, context, steps)
+        # The median timed step's context: the rows' tokens now plus the warm-up and half the timed steps.
+        kv_tokens = sum(seq.num_tokens for seq in sequences) + batch * (2 + steps // 2)
+        kv_s = kv_tokens * model.spec.kv_bytes_per_token(core.kv.k.dtype) / bandwidth
         step_s = _decode_steps(core, batch, steps)
         floor_s = _gemm_floor(core.runner.weights, batch, model.dtype, repeats=steps)
         rows.append(dict(batch=batch, step_ms=step_s * 1000, gemm_ms=floor_s * 1000, ratio=step_s / floor_s,
-                         tokens_per_s=batch / step_s))
+                         kv_read_ms=kv_s * 1000, floor_ratio=step_s / (floor_s + kv_s), tokens_per_s=batch / step_s))
         if profile and batch == max(batch_sizes):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 _decode_steps(core, batch, min(steps, 10))
             out(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-    _report(rows, model, context, steps, out)
+    _report(rows, model, context, steps, bandwidth, out)
     return rows
+
+
+def _read_bandwidth() -> float:
+    """Bytes per second the CPU reads from memory at torch's thread count: a 256 MiB `sum`, far larger
+    than any last-level cache, median of 5."""
+    import torch
+
+    buffer = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    times = []
+    for _ in range(6):
+        started = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - started)
+    return buffer.numel() * buffer.element_size() / statistics.median(times[1:])
 
 
 def _prefilled_core(model, batch: int, context: int, steps: int):
@@ -88,7 +109,7 @@ def _prefilled_core(model, batch: int, context: int, steps: int):
                           prompt_ids=ids[i].tolist()) for i in range(batch)]
     while not all(seq.output_ids for seq in sequences):  # each row's first token comes with its last chunk
         core.step()
-    return core
+    return core, sequences
 def _decode_steps(core, batch: int, steps: int) -> float:
     """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones); every
     row is past its prefill, so each is one token per row."""
@@ -131,12 +152,14 @@ def _gemm_floor(weights, batch: int, dtype, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _report(rows: list[dict], model, context: int, steps: int, out) -> None:
+def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float, out) -> None:
     import torch
 
     dtype = str(model.dtype).removeprefix("torch.")
     out(f"model {model.name} ({dtype}, {model.weight_format} weights), {torch.get_num_threads()} threads, every "
-        f"row at ~{context} tokens of context, median of {steps} decode steps")
-    out("| batch | decode step ms | weight matmuls alone ms | step / matmuls | tokens/s |\n|---:|---:|---:|---:|---:|")
+        f"row at ~{context} tokens of context, median of {steps} decode steps; memory read {bandwidth / 1e9:.1f} GB/s")
+    out("| batch | decode step ms | weight matmuls alone ms | step / matmuls | KV read ms | step / (matmuls + KV read) "
+        "| tokens/s |\n|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        out(f"| {r['batch']} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['ratio']:.2f}x | {r['tokens_per_s']:.1f} |")
+        out(f"| {r['batch']} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['ratio']:.2f}x | {r['kv_read_ms']:.3g} "
+            f"| {r['floor_ratio']:.2f}x | {r['tokens_per_s']:.1f} |")
