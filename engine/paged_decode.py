@@ -60,7 +60,9 @@ static inline float dot(const float* a, const float* b) {
   for (int l = 0; l < W; ++l) lane[l] = a[l] * b[l];
   for (int c = W; c < D; c += W)
     for (int l = 0; l < W; ++l) lane[l] += a[c + l] * b[c + l];
+#pragma GCC unroll 8
   for (int w = W / 2; w > 0; w /= 2)
+#pragma GCC unroll 16
     for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
   return lane[0];
 }
@@ -84,16 +86,14 @@ static inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-// Calls fn(t, row) for each position t < len of one question, `row` being that position's keys (or
-// values) for all KV heads in `cache` ([slots, kv_heads, D]). Block by block: no division per position.
+// Calls fn(t0, rows, count) for each block of one question's positions t0 .. t0 + count - 1, `rows`
+// pointing at position t0's keys (or values) for all KV heads in `cache` ([slots, kv_heads, D]); the
+// block's rows follow at `stride`.
 template <typename T, typename Fn>
-static inline void each_position(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
-                                 int64_t stride, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* row = cache + blocks[t0 / block_size] * block_size * stride;
-    const int64_t in_block = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < in_block; ++j, row += stride) fn(t0 + j, row);
-  }
+static inline void each_block(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
+                              int64_t stride, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < len; t0 += block_size)
+    fn(t0, cache + blocks[t0 / block_size] * block_size * stride, std::min(block_size, len - t0));
 }
 
 // One task: KV heads [h0, h1) of question b. Each query head's scores, softmax and weighted sum are
@@ -112,13 +112,14 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
   const int64_t first_head = b * heads + h0 * G, stride = kv_heads * D;
   for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
   AsFloat<T, D> as_float;
-  // Keys: the whole row of KV heads of a position lies together, so a task that owns all of them reads
-  // the pool sequentially, block by block.
-  each_position(k + h0 * D, blocks, len, block_size, stride, [&](int64_t t, const T* row) {
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      const float* key = as_float(row + h * D);
-      for (int g = 0; g < G; ++g) scores[(h * G + g) * len + t] = dot<D>(query + (h * G + g) * D, key);
-    }
+  // Block by block (16 positions of every KV head: 12 KiB at D = 64 in fp32, read once from memory, then
+  // from L1 for each head), and each key widened once for its G query heads.
+  each_block(k + h0 * D, blocks, len, block_size, stride, [&](int64_t t0, const T* rows, int64_t count) {
+    for (int64_t h = 0; h < h1 - h0; ++h)
+      for (int64_t j = 0; j < count; ++j) {
+        const float* key = as_float(rows + j * stride + h * D);
+        for (int g = 0; g < G; ++g) scores[(h * G + g) * len + t0 + j] = dot<D>(query + (h * G + g) * D, key);
+      }
   });
   float total[64];  // n <= 8 query heads per KV head x 8 KV heads per task, checked by the caller
   for (int64_t i = 0; i < n; ++i) {
@@ -131,15 +132,23 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
     total[i] = sum;
   }
   std::fill(acc, acc + n * D, 0.f);
-  each_position(v + h0 * D, blocks, len, block_size, stride, [&](int64_t t, const T* row) {
+  // A KV head's G x D sums stay in registers over a block; each still adds positions in order.
+  each_block(v + h0 * D, blocks, len, block_size, stride, [&](int64_t t0, const T* rows, int64_t count) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
-      const float* value = as_float(row + h * D);
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[(h * G + g) * len + t];
-        float* a = acc + (h * G + g) * D;
+      float* a = acc + h * G * D;
+      float sum[G][D];
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) sum[g][d] = a[g * D + d];
+      for (int64_t j = 0; j < count; ++j) {
+        const float* value = as_float(rows + j * stride + h * D);
+        for (int g = 0; g < G; ++g) {
+          const float p = scores[(h * G + g) * len + t0 + j];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * value[d];
+          for (int d = 0; d < D; ++d) sum[g][d] += p * value[d];
+        }
       }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) a[g * D + d] = sum[g][d];
     }
   });
   for (int64_t i = 0; i < n; ++i)
