@@ -284,8 +284,17 @@ async def _sse_text(response: httpx.Response) -> str:
 
 def test_health_and_metrics(stack):
     assert httpx.get(stack.url + "/health").json()["status"] == "ok"
+    # The answer routes' POSTs skip Starlette: their errors and metrics must look like every other route's.
+    assert post(stack, "/v1/chat/completions", {"model": MODEL, "messages": SEA, "max_tokens": 2}).status_code == 200
+    bad = httpx.post(stack.url + "/v1/completions", content=b"{not json",
+                     headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    wrong_method = httpx.get(stack.url + "/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     metrics = httpx.get(stack.url + "/metrics").text
     assert 'kev_gateway_requests_total{route="/v1/chat/completions",status="200"}' in metrics
+    assert 'kev_gateway_requests_total{route="/v1/completions",status="400"}' in metrics
+    assert 'kev_gateway_requests_total{route="/v1/chat/completions",status="405"}' in metrics
     assert "kev_gateway_request_seconds_bucket" in metrics
 
 

@@ -83,7 +83,7 @@ class Gateway:
             raise
 
 
-def create_app(gateway: Gateway) -> Starlette:
+def create_app(gateway: Gateway) -> "AnswerRoutes":
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -94,15 +94,59 @@ def create_app(gateway: Gateway) -> Starlette:
     app = Starlette(routes=routes, exception_handlers=HANDLERS)
     app.state.gateway = gateway
     app.add_middleware(ObserveRequests, metrics=gateway.metrics, routes=frozenset(r.path for r in routes))
-    return app
+    return AnswerRoutes(app, gateway)
 
 
+class AnswerRoutes:
+    """ASGI: the two answer routes' POSTs go straight to their handler; everything else (and a wrong
+    method on them) goes through Starlette. At 64 concurrent requests the event loop's time per request,
+    queued, is the latency the gateway adds, and Starlette's layers (error and exception middleware,
+    routing, the request/response wrappers, metrics middleware) were a tenth of it. Same responses,
+    errors and metrics either way."""
+
+    ROUTES = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
+
+    def __init__(self, app: Starlette, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path")
+        kind = self.ROUTES.get(path) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+        try:
+            try:
+                response = await _answer(self.gateway, Request(scope, receive), kind)
+            except ApiError as error:
+                response = error.response()
+            except Exception:
+                log.exception("gateway.request_failed", path=path)
+                response = ApiError(500, "The gateway failed while handling the request.", code="internal_error").response()
+            if isinstance(response, AnswerStream):  # it chooses its status as it goes: read it off the wire
+                async def observed_send(message) -> None:
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    await send(message)
+
+                await response(scope, receive, observed_send)
+            else:
+                status = response.status_code
+                await response(scope, receive, send)
+        finally:
+            self.gateway.metrics.observe(path, status, started)
+
+
+# Starlette's routes for the two POSTs: AnswerRoutes serves them first; these keep the route table whole
+# (a GET there gets Starlette's 405, in OpenAI's error shape).
 async def chat_completions(request: Request) -> Response:
-    return await _answer(request, ChatRequest)
+    return await _answer(request.app.state.gateway, request, ChatRequest)
 
 
 async def completions(request: Request) -> Response:
-    return await _answer(request, CompletionRequest)
+    return await _answer(request.app.state.gateway, request, CompletionRequest)
 
 
 async def models(request: Request) -> Response:
@@ -124,8 +168,7 @@ async def metrics(request: Request) -> Response:
     return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _answer(request: Request, kind: type[ChatRequest] | type[CompletionRequest]) -> Response:
-    gateway: Gateway = request.app.state.gateway
+async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest]) -> Response:
     started = time.perf_counter()
     tenant = gateway.auth.tenant(request.headers.get("authorization"))
     body = await _read_body(request, gateway.cfg.gateway.max_body_bytes)
