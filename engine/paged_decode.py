@@ -92,8 +92,14 @@ static inline float exp_nonpositive(float x) {
 template <typename T, typename Fn>
 static inline void each_block(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
                               int64_t stride, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < len; t0 += block_size)
+  const int64_t lines = block_size * stride * static_cast<int64_t>(sizeof(T)) / 64;
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    if (t0 + block_size < len) {  // ask for the next block while this one is worked on
+      const char* next = reinterpret_cast<const char*>(cache + blocks[t0 / block_size + 1] * block_size * stride);
+      for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(next + i * 64);
+    }
     fn(t0, cache + blocks[t0 / block_size] * block_size * stride, std::min(block_size, len - t0));
+  }
 }
 
 // One task: KV heads [h0, h1) of question b. Each query head's scores, softmax and weighted sum are
