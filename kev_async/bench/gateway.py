@@ -52,10 +52,13 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from kev_async.gateway.server import has_uvloop
+
     model = bench_model(args)
     anyio.run(partial(bench_gateway, model, concurrency=args.concurrency, rounds=args.rounds,
                       max_new_tokens=args.max_new_tokens, gateway_process=args.gateway_process,
-                      worker_process=args.worker_process), backend="asyncio")
+                      worker_process=args.worker_process), backend="asyncio",
+              backend_options={"use_uvloop": has_uvloop()})  # clients as lean as the gateway's own loop
     return 0
 
 

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from kev_async.gateway.server import run_gateway
+    from kev_async.gateway.server import has_uvloop, run_gateway
     from kev_async.logs import configure_logging
     from kev_async.runtime.lifecycle import run_service
     from kev_async.settings import load_config
@@ -61,12 +61,4 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
     return anyio.run(partial(run_service, partial(run_gateway, cfg), drain_deadline=10.0), backend="asyncio",
-                     backend_options={"use_uvloop": _has_uvloop()})
-
-
-def _has_uvloop() -> bool:
-    """uvloop's event loop takes ~30% less CPU per request than asyncio's; without it (not on Windows) the
-    gateway runs on plain asyncio."""
-    import importlib.util
-
-    return importlib.util.find_spec("uvloop") is not None
+                     backend_options={"use_uvloop": has_uvloop()})

@@ -144,3 +144,11 @@ async def _delete_topic(kafka: KafkaConfig, topic: str) -> None:
             log.warning("gateway.reply_topic_not_deleted", topic=topic, error=repr(error))
         finally:
             await admin.close()
+
+
+def has_uvloop() -> bool:
+    """uvloop's event loop takes ~30% less CPU per request than asyncio's; without it (not on Windows) the
+    gateway runs on plain asyncio."""
+    import importlib.util
+
+    return importlib.util.find_spec("uvloop") is not None
