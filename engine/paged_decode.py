@@ -5,13 +5,15 @@ The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`kev ben
 it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
 attention then reads the copy again. This kernel reads each key and value once, from its slot.
 
-One task per (question, KV head): that head's query heads score every visible key of the question
-(its own block table, up to its own length), softmax, and sum its values, all in fp32. A task never
-reads another question's slots and its arithmetic does not depend on which other rows share the
-step, so a row's result is the same alone or packed (the tests check it).
+A task is a whole question when the step has enough rows (it then reads the question's blocks in
+order, all KV heads of a position lying together), else one KV head of a question, so every thread
+has work. Either way each query head scores every visible key of its question (its own block table,
+up to its own length), softmaxes and sums the values in fp32, in the same order whatever the task
+holds. A task never reads another question's slots and its arithmetic does not depend on which other
+rows share the step, so a row's result is the same alone or packed (the tests check both splits).
 
 The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
-extension cache under a name keyed by this source and the CPU's flags, so a cache carried to another
+extension cache under a name keyed by this source, its compiler flags and the CPU's flags, so a cache carried to another
 CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0 when an engine is built, decodes
 use the SDPA path (engine/attention.py's _DecodeGroups).
 """
@@ -70,16 +72,18 @@ static inline float dot(const float* a, const float* b) {
 // exp(x) for x <= 0 in plain arithmetic, so a loop over it vectorises (libm's expf is a call per value):
 // x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-7 polynomial, 2^n written into the exponent.
 static inline float exp_nonpositive(float x) {
+  // Every multiply-add is an explicit fma, so a value gets the same bits in a loop's vector body and in
+  // its scalar head or tail (where a row of scores starts depends on the task's shape).
   x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: a weight that small counts as nothing either way
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
@@ -87,18 +91,19 @@ static inline float exp_nonpositive(float x) {
 }
 
 // Calls fn(t0, rows, count) for each block of one question's positions t0 .. t0 + count - 1, `rows`
-// pointing at position t0's keys (or values) for all KV heads in `cache` ([slots, kv_heads, D]); the
-// block's rows follow at `stride`.
+// pointing at position t0's vector for KV head h0 in `cache` ([slots, kv_heads, D]); the block's rows
+// follow at `stride`. A task that owns every KV head asks for its next block while it works on this one
+// (only the question's own blocks; a one-head task would fetch the other heads' lines for nothing).
 template <typename T, typename Fn>
-static inline void each_block(const T* cache, const int64_t* blocks, int64_t len, int64_t block_size,
-                              int64_t stride, Fn&& fn) {
+static inline void each_block(const T* cache, int64_t offset, const int64_t* blocks, int64_t len,
+                              int64_t block_size, int64_t stride, bool prefetch, Fn&& fn) {
   const int64_t lines = block_size * stride * static_cast<int64_t>(sizeof(T)) / 64;
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    if (t0 + block_size < len) {  // ask for the next block while this one is worked on
+    if (prefetch && t0 + block_size < len) {
       const char* next = reinterpret_cast<const char*>(cache + blocks[t0 / block_size + 1] * block_size * stride);
       for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(next + i * 64);
     }
-    fn(t0, cache + blocks[t0 / block_size] * block_size * stride, std::min(block_size, len - t0));
+    fn(t0, cache + blocks[t0 / block_size] * block_size * stride + offset, std::min(block_size, len - t0));
   }
 }
 
@@ -111,23 +116,24 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
                         int64_t b, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t block_size,
                         float scale, std::vector<float>& buffer) {
   const int64_t n = (h1 - h0) * G;  // query heads in this task
-  buffer.resize(n * (len + 2 * D));
+  buffer.resize(n * (len + 2 * D + 1));
   float* query = buffer.data();      // [n, D]
   float* acc = query + n * D;        // [n, D]
   float* scores = acc + n * D;       // [n, len]
+  float* total = scores + n * len;   // [n]
   const int64_t first_head = b * heads + h0 * G, stride = kv_heads * D;
+  const bool whole = h1 - h0 == kv_heads;
   for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
   AsFloat<T, D> as_float;
-  // Block by block (16 positions of every KV head: 12 KiB at D = 64 in fp32, read once from memory, then
-  // from L1 for each head), and each key widened once for its G query heads.
-  each_block(k + h0 * D, blocks, len, block_size, stride, [&](int64_t t0, const T* rows, int64_t count) {
+  // Block by block (16 positions of every KV head lie together, read once from memory, then from L1 for
+  // each head), and each key widened once for its G query heads.
+  each_block(k, h0 * D, blocks, len, block_size, stride, whole, [&](int64_t t0, const T* rows, int64_t count) {
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t j = 0; j < count; ++j) {
         const float* key = as_float(rows + j * stride + h * D);
         for (int g = 0; g < G; ++g) scores[(h * G + g) * len + t0 + j] = dot<D>(query + (h * G + g) * D, key);
       }
   });
-  float total[64];  // n <= 8 query heads per KV head x 8 KV heads per task, checked by the caller
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
     const float top = *std::max_element(row, row + len);
@@ -139,7 +145,7 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
   }
   std::fill(acc, acc + n * D, 0.f);
   // A KV head's G x D sums stay in registers over a block; each still adds positions in order.
-  each_block(v + h0 * D, blocks, len, block_size, stride, [&](int64_t t0, const T* rows, int64_t count) {
+  each_block(v, h0 * D, blocks, len, block_size, stride, whole, [&](int64_t t0, const T* rows, int64_t count) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       float* a = acc + h * G * D;
       float sum[G][D];
@@ -169,7 +175,7 @@ static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table
                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
                         float scale) {
   const int64_t threads = at::get_num_threads();
-  const int64_t per_task = (batch >= 4 * threads && kv_heads * G <= 64) ? kv_heads : 1;
+  const int64_t per_task = batch >= 4 * threads ? kv_heads : 1;
   const int64_t tasks = batch * (kv_heads / per_task);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

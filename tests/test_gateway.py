@@ -408,3 +408,41 @@ def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
         demo.signal(signal.SIGINT)
         assert demo.wait(60) == 0, demo.describe()
 
+
+
+# -- a crash inside the gateway ---------------------------------------------------------------------------
+
+class _PublisherWithABug:
+    """Fault injection: publishing raises something that is not an ApiError, as a bug in the gateway would."""
+
+    healthy = True
+
+    async def publish(self, question) -> None:
+        raise RuntimeError("a bug")
+
+    async def cancel(self, question_id: str) -> bool:
+        return True
+
+
+def test_a_crash_before_the_response_is_openai_s_500_and_counted():
+    from kev_async.gateway.app import Gateway, create_app
+    from kev_async.gateway.auth import Authenticator
+    from kev_async.gateway.catalog import ModelCatalog
+    from kev_async.gateway.metrics import GatewayMetrics
+    from kev_async.gateway.replies import ReplyRouter
+    from schemas import KevConfig
+
+    cfg = KevConfig()
+    gateway = Gateway(cfg, _PublisherWithABug(), ReplyRouter(cfg.kafka, "kev.replies.test"), ModelCatalog(MODEL),
+                      Authenticator.from_config(cfg.gateway), GatewayMetrics())
+
+    async def ask() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)),
+                                     base_url="http://gateway") as client:
+            body = {"model": MODEL, "messages": SEA, "max_tokens": 2}
+            return [await client.post("/v1/chat/completions", json={**body, "stream": stream}) for stream in (False, True)]
+
+    for response in anyio.run(ask):  # whole and streamed: the stream fails before its first byte
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "internal_error" and "bug" not in response.text
+    assert 'kev_gateway_requests_total{route="/v1/chat/completions",status="500"} 2.0' in gateway.metrics.render().decode()

@@ -1,7 +1,9 @@
 """The CPU decode kernel (engine/paged_decode.py) reads each question's keys where they lie in the pool.
 
 It must give SDPA's answer, the same bits alone or packed, and never read a slot the question has not
-written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here.
+written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here. A step with few
+rows gives each KV head its own task, one with many rows (4 per thread) gives each question one task:
+the tests run both.
 """
 
 from types import SimpleNamespace
@@ -19,12 +21,19 @@ BLOCK = 16
 SPEC = SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=64, num_heads=9)
 
 
+def _many(lengths: list[int]) -> list[int]:
+    """`lengths` repeated past 4 rows per thread: each question is then one task (all its KV heads)."""
+    rows = 4 * torch.get_num_threads() + 1
+    return (lengths * rows)[:max(rows, len(lengths))]
+
+
 def _setup(dtype, lengths, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    kv = KVCache(SPEC, 256, BLOCK, dtype, torch.device("cpu"))
+    blocks = sum(-(-length // BLOCK) for length in lengths) + 8
+    kv = KVCache(SPEC, blocks, BLOCK, dtype, torch.device("cpu"))
     kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
     kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
-    free = torch.randperm(256, generator=gen).tolist()
+    free = torch.randperm(blocks, generator=gen).tolist()
     segments = []
     for row, length in enumerate(lengths):
         blocks = tuple(free.pop() for _ in range(-(-length // BLOCK)))
@@ -33,17 +42,21 @@ def _setup(dtype, lengths, seed=0):
     return kv, segments, q
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance):
-    kv, segments, q = _setup(dtype, [1, 7, 16, 17, 130, 300, 45])
+def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance, many):
+    lengths = [1, 7, 16, 17, 130, 300, 45]
+    kv, segments, q = _setup(dtype, _many(lengths) if many else lengths[:3])
     layer = kv.layers[0]
     paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_a_row_is_the_same_bits_alone_or_packed():
-    kv, segments, q = _setup(torch.float32, [5, 33, 200, 64, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_bits_alone_or_packed(dtype):
+    # Alone, a row's KV heads are separate tasks; packed with many rows, its question is one task.
+    kv, segments, q = _setup(dtype, _many([5, 33, 200, 64, 129, 16, 1]))
     layer = kv.layers[0]
     packed = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     for row, seg in enumerate(segments):
@@ -52,8 +65,9 @@ def test_a_row_is_the_same_bits_alone_or_packed():
         assert torch.equal(alone[0], packed[row])
 
 
-def test_a_question_never_reads_a_slot_it_has_not_written():
-    kv, segments, q = _setup(torch.float32, [3, 40, 100])
+@pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
+def test_a_question_never_reads_a_slot_it_has_not_written(many):
+    kv, segments, q = _setup(torch.float32, _many([3, 40, 100, 32]) if many else [3, 40, 100])
     layer = kv.layers[0]
     before = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     owned = torch.zeros(kv.k.shape[1], dtype=torch.bool)

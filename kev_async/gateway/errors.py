@@ -46,7 +46,11 @@ async def on_http_error(_request: Request, error: Exception) -> JSONResponse:
 
 
 async def on_crash(_request: Request, _error: Exception) -> JSONResponse:
-    # The traceback is logged by the server; the client gets no internals.
+    return internal_error()
+
+
+def internal_error() -> JSONResponse:
+    # The traceback is logged; the client gets no internals.
     return ApiError(500, "The gateway failed while handling the request.", code="internal_error").response()
 
 
