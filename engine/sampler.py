@@ -34,16 +34,26 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         if all(row.params.greedy and row.params.repetition_penalty == 1.0 for row in rows):
             # The common case: one argmax for the whole batch (bf16 -> fp32 is exact, so no cast needed).
-            return logits.argmax(dim=-1).tolist()
+            return greedy(logits)
         logits = logits.float()
         for i, row in enumerate(rows):
             if row.params.repetition_penalty != 1.0:
                 _penalize(logits[i], row.history, row.params.repetition_penalty)
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy(logits)
         for i, row in enumerate(rows):
             if not row.params.greedy:
                 tokens[i] = _draw(logits[i], row)
         return tokens
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's first largest logit, as argmax gives it. On CPU torch's `max(dim)` returns the same
+    indices (the first of equal maxima; tests/test_sampling.py holds it to that) and is faster: 1.5
+    against 4.2 ms for 32 rows of a 49,152-token vocabulary in bf16, 1.9 against 2.0 in fp32. torch
+    documents no such order for `max` on other devices, so they keep argmax."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices.tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:

@@ -115,3 +115,15 @@ def test_kev_temperature_sets_the_default(tiny_models, harness, monkeypatch):
     # A question's own temperature still wins over the environment's default.
     explicit = tokens_of(harness, model, question(harness, seed=3, temperature=0.0), env_options)
     assert explicit == tokens_of(harness, model, question(harness, temperature=0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does(dtype):
+    from engine.sampler import greedy
+
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    top = logits.max() + 1  # above every random logit
+    logits[:, 4000] = top  # ties: row i also has the maximum at 40000 + i, after 4000 ...
+    logits[torch.arange(8), 40000 + torch.arange(8)] = top
+    logits[3, 17] = top  # ... and row 3 once more, before it
+    assert greedy(logits) == logits.argmax(dim=-1).tolist() == [4000] * 3 + [17] + [4000] * 4
