@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // A vector of D values as fp32: bf16 is widened into a buffer, fp32 is read where it lies.
@@ -107,6 +108,66 @@ static inline void each_block(const T* cache, int64_t offset, const int64_t* blo
   }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// The lane sums of 16 vectors at once: element j of the result is v[j]'s 16 lanes added up. Folding
+// one vector at a time costs a chain of shuffles and adds per key; folding 16 together shares them.
+// Each key's lanes are added in one fixed tree, whatever the other 15 hold (zeros for a short block).
+static inline __m512 lane_sums16(const __m512 (&v)[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: keys 2i and 2i+1, elements (0+2) and (1+3)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i .. 4i+3, that lane's sum
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Then across the four 128-bit lanes: (lanes 0+1) + (lanes 2+3), landing keys 4i .. 4i+3 in lane i.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+#endif
+
+// Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
+template <typename T, int D, int G, typename Widen>
+static inline void score_keys(const float* query, const T* rows, int64_t stride, int64_t count, float* out,
+                              int64_t len, Widen& as_float) {
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    float widened[std::is_same<T, float>::value ? 1 : 16][D];
+    const float* key[16];
+    for (int64_t j = 0; j < count; ++j) {
+      if constexpr (std::is_same<T, float>::value) {
+        key[j] = rows + j * stride;
+      } else {
+        for (int d = 0; d < D; ++d) widened[j][d] = static_cast<float>(rows[j * stride + d]);
+        key[j] = widened[j];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = query + g * D;
+      __m512 v[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= count) {
+          v[j] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 lanes = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key[j]));
+        for (int c = 16; c < D; c += 16)
+          lanes = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(key[j] + c), lanes);
+        v[j] = lanes;
+      }
+      _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1), lane_sums16(v));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) {
+    const float* key = as_float(rows + j * stride);
+    for (int g = 0; g < G; ++g) out[g * len + j] = dot<D>(query + g * D, key);
+  }
+}
+
 // One task: KV heads [h0, h1) of question b. Each query head's scores, softmax and weighted sum are
 // computed in the same order whichever heads share its task, so a row's bits do not depend on how the
 // step was split. D (head size) and G (query heads per KV head) are compile-time constants, so every
@@ -126,13 +187,12 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
   for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
   AsFloat<T, D> as_float;
   // Block by block (16 positions of every KV head lie together, read once from memory, then from L1 for
-  // each head), and each key widened once for its G query heads.
+  // each head), 16 keys at a time for a KV head's G query heads.
   each_block(k, h0 * D, blocks, len, block_size, stride, whole, [&](int64_t t0, const T* rows, int64_t count) {
     for (int64_t h = 0; h < h1 - h0; ++h)
-      for (int64_t j = 0; j < count; ++j) {
-        const float* key = as_float(rows + j * stride + h * D);
-        for (int g = 0; g < G; ++g) scores[(h * G + g) * len + t0 + j] = dot<D>(query + (h * G + g) * D, key);
-      }
+      for (int64_t j = 0; j < count; j += 16)
+        score_keys<T, D, G>(query + h * G * D, rows + j * stride + h * D, stride, std::min<int64_t>(16, count - j),
+                            scores + h * G * len + t0 + j, len, as_float);
   });
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
