@@ -314,12 +314,14 @@ def kernel():
     """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
     if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
         return None
-    return _build()
+    return compiled(tuple(_CFLAGS))
 
 
 @functools.cache
-def _build():
-    name = f"kev_paged_decode_{_build_key()}"
+def compiled(cflags: tuple[str, ...]):
+    """The op built with these compiler flags (the engine's are _CFLAGS; the tests also build one
+    without AVX-512, the path CPUs without it take), or None where it cannot be built."""
+    name = f"kev_paged_decode_{_build_key(cflags)}"
     try:
         return _import_built(name).paged_decode
     except Exception:  # not built on this machine yet (or not loadable): build it
@@ -329,7 +331,7 @@ def _build():
 
         log.info("attention.paged_decode_building", note="once per machine, about a minute")
         module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
-                             extra_cflags=_CFLAGS,
+                             extra_cflags=list(cflags),
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
         log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
@@ -354,7 +356,7 @@ def _import_built(name: str):
     return module
 
 
-def _build_key() -> str:
+def _build_key(cflags: tuple[str, ...]) -> str:
     """This source, its compiler flags and this CPU's flags: a build for one CPU is never loaded on another."""
     flags = ""
     try:
@@ -362,7 +364,7 @@ def _build_key() -> str:
             flags = next((line for line in cpuinfo if line.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + flags + torch.__version__).encode()).hexdigest()[:12]
+    return hashlib.sha1((_SOURCE + " ".join(cflags) + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
 # The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).

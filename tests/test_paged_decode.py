@@ -87,3 +87,23 @@ def test_cpu_decodes_take_the_kernel_and_int8_caches_do_not():
     int8 = KVCache(SPEC, 64, BLOCK, torch.int8, torch.device("cpu"))
     assert not paged_decode.usable(int8)
     assert isinstance(TorchAttention(int8).prepare(segments).decode, _DecodeGroups)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(dtype, tolerance):
+    # Built here without AVX-512 (the 16-keys-at-once fold is AVX-512 only): what an AVX2 machine runs.
+    portable = paged_decode.compiled((*paged_decode._CFLAGS, "-mno-avx512f"))
+    assert portable is not None
+    kv, segments, q = _setup(dtype, _many([1, 16, 17, 130, 300, 45]))
+    layer, cpu = kv.layers[0], torch.device("cpu")
+
+    def attend(op, segs, queries):
+        step = paged_decode.PagedDecodes(segs, BLOCK, cpu)
+        return op(queries.contiguous(), layer.k, layer.v, step.table, step.lengths, BLOCK, SPEC.head_dim ** -0.5)
+
+    packed = attend(portable, segments, q)
+    torch.testing.assert_close(packed.float(), attend(paged_decode.kernel(), segments, q).float(),
+                               atol=tolerance, rtol=tolerance)
+    for row, seg in enumerate(segments[:6]):
+        alone = attend(portable, [Segment(0, 1, seg.kv_len, seg.block_ids, True)], q[row:row + 1])
+        assert torch.equal(alone[0], packed[row])
