@@ -38,6 +38,14 @@ from schemas import KafkaConfig
 log = structlog.get_logger("kev.consumers.worker")
 
 
+# A rebalance that a member leaves while another joins can stall on the embedded Tansu broker until the
+# coordinator's rebalance timeout, which aiokafka sets to max_poll_interval_ms (5 minutes): no member of
+# the group gets an assignment meanwhile (seen in the fault drill; reproduced with plain aiokafka
+# consumers). With these the group recovered in 19-29 s in every try. A worker's heartbeats come from
+# aiokafka's own task and its event loop never runs the model, so 6 s without one means it is gone.
+GROUP_TIMEOUTS = {"rebalance_timeout_ms": 5_000, "session_timeout_ms": 6_000, "heartbeat_interval_ms": 1_000}
+
+
 @dataclass(frozen=True)
 class KafkaStatistics:
     assigned: frozenset[Partition]
@@ -122,7 +130,7 @@ class KafkaWorker:
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", **security,
-            **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **self.consumer_options},
+            **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS, **self.consumer_options},
         )
         # acks=all without idempotence: Tansu rejects idempotent producers (InitProducerId).
         self.producer = AIOKafkaProducer(
