@@ -83,7 +83,7 @@ class Gateway:
             raise
 
 
-def create_app(gateway: Gateway) -> "AnswerRoutes":
+def create_app(gateway: Gateway) -> ObserveRequests:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -93,16 +93,16 @@ def create_app(gateway: Gateway) -> "AnswerRoutes":
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS)
     app.state.gateway = gateway
-    app.add_middleware(ObserveRequests, metrics=gateway.metrics, routes=frozenset(r.path for r in routes))
-    return AnswerRoutes(app, gateway)
+    # Outermost, so every route is counted the same way, whichever of the two paths below serves it.
+    return ObserveRequests(AnswerRoutes(app, gateway), metrics=gateway.metrics,
+                           routes=frozenset(r.path for r in routes))
 
 
 class AnswerRoutes:
     """ASGI: the two answer routes' POSTs go straight to their handler; everything else (and a wrong
     method on them) goes through Starlette. At 64 concurrent requests the event loop's time per request,
     queued, is the latency the gateway adds, and Starlette's layers (error and exception middleware,
-    routing, the endpoint wrappers, metrics middleware) were a tenth of its CPU. Same responses,
-    errors and metrics either way."""
+    routing, the endpoint wrappers) were a tenth of its CPU. Same responses and errors either way."""
 
     ROUTES = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
 
@@ -115,36 +115,30 @@ class AnswerRoutes:
         if kind is None:
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), None
         try:
-            try:
-                response = await _answer(self.gateway, Request(scope, receive), kind)
-            except ApiError as error:
-                response = error.response()
-            except Exception:
-                log.exception("gateway.request_failed", path=path)
-                response = internal_error()
-            if not isinstance(response, AnswerStream):
-                status = response.status_code
-                await response(scope, receive, send)
-                return
+            response = await _answer(self.gateway, Request(scope, receive), kind)
+        except ApiError as error:
+            response = error.response()
+        except Exception:
+            log.exception("gateway.request_failed", path=path)
+            response = internal_error()
+        if not isinstance(response, AnswerStream):
+            await response(scope, receive, send)
+            return
+        started = False
 
-            async def observed_send(message) -> None:  # a stream chooses its status as it goes
-                nonlocal status
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                await send(message)
+        async def send_noting_start(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-            try:
-                await response(scope, receive, observed_send)
-            except Exception:
-                if status is not None:
-                    raise  # mid-stream: the status line is gone, nothing else can be sent
-                log.exception("gateway.request_failed", path=path)
-                status = 500
-                await internal_error()(scope, receive, send)
-        finally:
-            self.gateway.metrics.observe(path, status or 500, started)
+        try:
+            await response(scope, receive, send_noting_start)
+        except Exception:
+            if started:
+                raise  # mid-stream: the status line is gone, nothing else can be sent
+            log.exception("gateway.request_failed", path=path)
+            await internal_error()(scope, receive, send)
 
 
 # Starlette's routes for the two POSTs: AnswerRoutes serves them first; these keep the route table whole
