@@ -37,7 +37,6 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 // A vector of D values as fp32: bf16 is widened into a buffer, fp32 is read where it lies.
@@ -134,16 +133,9 @@ static inline void score_keys(const float* query, const T* rows, int64_t stride,
                               int64_t len, Widen& as_float) {
 #if defined(__AVX512F__)
   if constexpr (D % 16 == 0) {
-    float widened[std::is_same<T, float>::value ? 1 : 16][D];
+    AsFloat<T, D> widen[16];  // each key widened once for all G query heads (fp32 keys are read in place)
     const float* key[16];
-    for (int64_t j = 0; j < count; ++j) {
-      if constexpr (std::is_same<T, float>::value) {
-        key[j] = rows + j * stride;
-      } else {
-        for (int d = 0; d < D; ++d) widened[j][d] = static_cast<float>(rows[j * stride + d]);
-        key[j] = widened[j];
-      }
-    }
+    for (int64_t j = 0; j < count; ++j) key[j] = widen[j](rows + j * stride);
     for (int g = 0; g < G; ++g) {
       const float* qg = query + g * D;
       __m512 v[16];
@@ -390,9 +382,10 @@ class PagedDecodes:
         self.lengths = torch.tensor([s.kv_len for s in segments], dtype=torch.long)
         self.rows = torch.tensor([s.q_start for s in segments], device=device)
         self.block_size = block_size
+        self.op = kernel()  # once per step, not per layer
 
     def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
         """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
         with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`
-            return kernel()(q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size,
+            return self.op(q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size,
                             q.shape[-1] ** -0.5)

@@ -110,6 +110,8 @@ def _prefilled_core(model, batch: int, context: int, steps: int):
     while not all(seq.output_ids for seq in sequences):  # each row's first token comes with its last chunk
         core.step()
     return core, sequences
+
+
 def _decode_steps(core, batch: int, steps: int) -> float:
     """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones); every
     row is past its prefill, so each is one token per row."""
