@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import apply_rope, embed, linear, rms_norm
+from engine.layers import apply_rope, embed, linear, rms_norm, signed_sin
 from engine.packed_weight import PackedWeight, can_pack
 from engine.quant import Int8Weight
 from engine.tiles import TileCheck, tiled_linear
@@ -48,6 +48,7 @@ class Transformer:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.cos, self.sin = rope
+        self.sin_signed = signed_sin(self.sin)
         self.set_deterministic(deterministic)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -132,7 +133,7 @@ class Transformer:
 
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
         hidden = embed(self.embed, input_ids)
         for index, layer in enumerate(self.layers):
             hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend, lora)
