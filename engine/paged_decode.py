@@ -90,21 +90,60 @@ static inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-// Calls fn(t0, rows, count) for each block of one question's positions t0 .. t0 + count - 1, `rows`
+// Calls fn(t0, rows, count, next) for each block of one question's positions t0 .. t0 + count - 1, `rows`
 // pointing at position t0's vector for KV head h0 in `cache` ([slots, kv_heads, D]); the block's rows
-// follow at `stride`. A task that owns every KV head asks for its next block while it works on this one
-// (only the question's own blocks; a one-head task would fetch the other heads' lines for nothing).
+// follow at `stride`. `next` points the same way into the question's next block, and after the last
+// one at `then` (what the task reads next, or nullptr): its rows are fetched while this block's are
+// used, a row's lines for each row used (blocks lie anywhere in the pool, so the hardware's own
+// prefetcher cannot run ahead across them).
 template <typename T, typename Fn>
 static inline void each_block(const T* cache, int64_t offset, const int64_t* blocks, int64_t len,
-                              int64_t block_size, int64_t stride, bool prefetch, Fn&& fn) {
-  const int64_t lines = block_size * stride * static_cast<int64_t>(sizeof(T)) / 64;
+                              int64_t block_size, int64_t stride, const T* then, Fn&& fn) {
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    if (prefetch && t0 + block_size < len) {
-      const char* next = reinterpret_cast<const char*>(cache + blocks[t0 / block_size + 1] * block_size * stride);
-      for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(next + i * 64);
-    }
-    fn(t0, cache + blocks[t0 / block_size] * block_size * stride + offset, std::min(block_size, len - t0));
+    const int64_t b = t0 / block_size;
+    const T* next = t0 + block_size < len ? cache + blocks[b + 1] * block_size * stride + offset : then;
+    fn(t0, cache + blocks[b] * block_size * stride + offset, std::min(block_size, len - t0), next);
   }
+}
+
+// Ask for one D-vector's cache lines (a row of the next block, needed one block from now).
+template <typename T, int D>
+static inline void fetch_row(const T* row) {
+  if (row == nullptr) return;
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(T)); i += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht0 %0" : : "m"(bytes[i]));  // GCC 12 at -O2 drops __builtin_prefetch here
+#else
+    __builtin_prefetch(bytes + i);
+#endif
+  }
+}
+
+// Largest and sum of a row of scores, 16 lanes at a time: a chain of scalar max or add instructions
+// would wait on each other's latency. The lanes fold by a fixed tree, and where a row's values fall
+// among the lanes depends on its length alone, so the same row gives the same bits in any task.
+static inline float lanes_max(const float* row, int64_t len) {
+  float lane[16];
+  for (int l = 0; l < 16; ++l) lane[l] = row[0];
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16)
+    for (int l = 0; l < 16; ++l) lane[l] = lane[l] < row[t + l] ? row[t + l] : lane[l];
+  for (int l = 0; t + l < len; ++l) lane[l] = lane[l] < row[t + l] ? row[t + l] : lane[l];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] = lane[l] < lane[l + w] ? lane[l + w] : lane[l];
+  return lane[0];
+}
+
+static inline float lanes_sum(const float* row, int64_t len) {
+  float lane[16] = {};
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += row[t + l];
+  for (int l = 0; t + l < len; ++l) lane[l] += row[t + l];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
 }
 
 #if defined(__AVX512F__)
@@ -129,13 +168,16 @@ static inline __m512 lane_sums16(const __m512 (&v)[16]) {
 
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
-static inline void score_keys(const float* query, const T* rows, int64_t stride, int64_t count, float* out,
-                              int64_t len, Widen& as_float) {
+static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
+                              float* out, int64_t len, Widen& as_float) {
 #if defined(__AVX512F__)
   if constexpr (D % 16 == 0) {
     AsFloat<T, D> widen[16];  // each key widened once for all G query heads (fp32 keys are read in place)
     const float* key[16];
-    for (int64_t j = 0; j < count; ++j) key[j] = widen[j](rows + j * stride);
+    for (int64_t j = 0; j < count; ++j) {
+      fetch_row<T, D>(next ? next + j * stride : nullptr);
+      key[j] = widen[j](rows + j * stride);
+    }
     for (int g = 0; g < G; ++g) {
       const float* qg = query + g * D;
       __m512 v[16];
@@ -155,6 +197,7 @@ static inline void score_keys(const float* query, const T* rows, int64_t stride,
   }
 #endif
   for (int64_t j = 0; j < count; ++j) {
+    fetch_row<T, D>(next ? next + j * stride : nullptr);
     const float* key = as_float(rows + j * stride);
     for (int g = 0; g < G; ++g) out[g * len + j] = dot<D>(query + g * D, key);
   }
@@ -175,35 +218,36 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
   float* scores = acc + n * D;       // [n, len]
   float* total = scores + n * len;   // [n]
   const int64_t first_head = b * heads + h0 * G, stride = kv_heads * D;
-  const bool whole = h1 - h0 == kv_heads;
   for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
   AsFloat<T, D> as_float;
   // Block by block (16 positions of every KV head lie together, read once from memory, then from L1 for
   // each head), 16 keys at a time for a KV head's G query heads.
-  each_block(k, h0 * D, blocks, len, block_size, stride, whole, [&](int64_t t0, const T* rows, int64_t count) {
+  // The keys, then the values: the first value block is fetched during the last key block.
+  each_block(k, h0 * D, blocks, len, block_size, stride, v + blocks[0] * block_size * stride + h0 * D,
+             [&](int64_t t0, const T* rows, int64_t count, const T* next) {
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t j = 0; j < count; j += 16)
-        score_keys<T, D, G>(query + h * G * D, rows + j * stride + h * D, stride, std::min<int64_t>(16, count - j),
-                            scores + h * G * len + t0 + j, len, as_float);
+        score_keys<T, D, G>(query + h * G * D, rows + j * stride + h * D, next ? next + j * stride + h * D : nullptr,
+                            stride, std::min<int64_t>(16, count - j), scores + h * G * len + t0 + j, len, as_float);
   });
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
-    const float top = *std::max_element(row, row + len);
+    const float top = lanes_max(row, len);
 #pragma omp simd
     for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += row[t];  // in order: the same bits alone or packed
-    total[i] = sum;
+    total[i] = lanes_sum(row, len);
   }
   std::fill(acc, acc + n * D, 0.f);
   // A KV head's G x D sums stay in registers over a block; each still adds positions in order.
-  each_block(v, h0 * D, blocks, len, block_size, stride, whole, [&](int64_t t0, const T* rows, int64_t count) {
+  each_block(v, h0 * D, blocks, len, block_size, stride, static_cast<const T*>(nullptr),
+             [&](int64_t t0, const T* rows, int64_t count, const T* next) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       float* a = acc + h * G * D;
       float sum[G][D];
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) sum[g][d] = a[g * D + d];
       for (int64_t j = 0; j < count; ++j) {
+        fetch_row<T, D>(next ? next + j * stride + h * D : nullptr);
         const float* value = as_float(rows + j * stride + h * D);
         for (int g = 0; g < G; ++g) {
           const float p = scores[(h * G + g) * len + t0 + j];
