@@ -47,8 +47,7 @@ class Transformer:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.cos, self.sin = rope
-        self.sin_signed = signed_sin(self.sin)
+        self.cos, self.sin_signed = rope[0], signed_sin(rope[1])  # the plain sine is not needed after this
         self.set_deterministic(deterministic)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -133,10 +132,10 @@ class Transformer:
 
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
-        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
+        cos, sin_signed = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
         hidden = embed(self.embed, input_ids)
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(index, layer, hidden, cos, sin, attend, lora)
+            hidden = hidden + self._attention(index, layer, hidden, cos, sin_signed, attend, lora)
             hidden = hidden + self._mlp(index, layer, hidden, lora)
         return hidden
 
@@ -150,7 +149,7 @@ class Transformer:
             lora.add(index, name, x, out)
         return out
 
-    def _attention(self, index, layer: LayerWeights, hidden, cos, sin, attend: Attend, lora) -> torch.Tensor:
+    def _attention(self, index, layer: LayerWeights, hidden, cos, sin_signed, attend: Attend, lora) -> torch.Tensor:
         spec = self.spec
         x = rms_norm(hidden, layer.input_norm, spec.rms_norm_eps)
         qkv = self._project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
@@ -160,7 +159,7 @@ class Transformer:
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             qk = torch.cat([rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)], 1)
         # q and k side by side: one rotary pass for both.
-        q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
+        q, k = apply_rope(qk, cos, sin_signed).split([spec.num_heads, spec.num_kv_heads], dim=1)
         out = attend(index, q, k, v)
         return self._project(out.reshape(-1, self.q_size), layer.o_proj, lora, index, "o_proj")
 
