@@ -144,6 +144,9 @@ class GatewayConfig(_Section):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000  # 0 = any free port
+    # Gateway processes accepting on the one port. Each has its own event loop; at high concurrency a
+    # request waits for the loop's work on the requests ahead of it, so more processes, less queueing.
+    processes: Annotated[int, Meta(ge=1, le=64)] = 1
     served_model_name: str | None = None  # the model id clients name; None = the last part of core.model_path
     api_keys: dict[str, str] = {}  # API key -> tenant; empty (and no file) = no authentication
     api_keys_file: str | None = None  # a YAML mapping of API key -> tenant, read at start

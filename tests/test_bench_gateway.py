@@ -45,16 +45,17 @@ def test_bench_gateway_can_run_the_gateway_as_its_own_process(tiny_model, monkey
 
 
 def test_bench_gateway_can_run_the_gateway_and_the_worker_as_processes(tiny_model, monkeypatch):
-    """As deployed: `kev gateway` and `kev serve` each in a child process; the gateway's CPU per request is read."""
+    """As deployed: `kev gateway --processes 2` and `kev serve` in child processes; the CPU per request read is
+    the gateway processes' together."""
     from kev_async.bench.gateway import bench_gateway
 
     for name, value in SESSION_ENV.items():
         monkeypatch.setenv(name, value)
     lines: list[str] = []
     bench = partial(bench_gateway, tiny_model, concurrency=2, rounds=2, max_new_tokens=1, gateway_process=True,
-                    worker_process=True, out=lines.append)
+                    gateway_processes=2, worker_process=True, out=lines.append)
     result = anyio.run(bench, backend="asyncio")
     assert result["p50_ms"]["kafka"] > 0 and result["p50_ms"]["gateway"] > 0
-    assert "the worker in its own process" in lines[0]
+    assert "the gateway in 2 processes, the worker in its own process" in lines[0]
     assert result["gateway_cpu_ms_per_request"] > 0  # per-thread schedstat, in ns: 4 requests do register
     assert "of CPU per request" in lines[-1]

@@ -359,9 +359,9 @@ async def test_gateway_connections_send_small_writes_at_once(anyio_backend):
     import asyncio
     import socket
 
-    from kev_async.gateway.server import _listen
+    from kev_async.gateway.server import listen
 
-    sock = _listen("127.0.0.1", 0)
+    sock = listen("127.0.0.1", 0)
     nodelay = asyncio.get_running_loop().create_future()
 
     class Probe(asyncio.Protocol):
@@ -408,6 +408,69 @@ def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
         demo.signal(signal.SIGINT)
         assert demo.wait(60) == 0, demo.describe()
 
+
+
+def _ready_processes(gateway, timeout: float = 60.0) -> dict:
+    """The parent's `gateway.ready` log line (JSON logs) of `kev gateway --processes N`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in gateway.log().splitlines():
+            if line.startswith("{") and '"gateway.ready"' in line and '"processes"' in line:
+                return json.loads(line)
+        assert gateway.running() and time.monotonic() < deadline, gateway.describe()
+        time.sleep(0.2)
+
+
+def test_kev_gateway_processes_share_a_port_answer_and_stop_together(stack, tmp_path):
+    """`--processes 2`: two gateways behind one port answer the openai client; SIGTERM stops both (exit 0);
+    a child that dies stops the other and the parent exits 1, naming it."""
+    import os
+
+    from gateway_fixtures import free_port
+    from serve_fixtures import KevProcess, kev_env, kev_processes
+
+    config = tmp_path / "kev.yaml"
+    config.write_bytes(msgspec.json.encode(stack.cfg))  # JSON is YAML: the stack's topics, keys and model name
+    port = free_port()
+    args = ["gateway", "--config", str(config), "--port", str(port), "--processes", "2"]
+    with kev_processes() as children:
+        gateway = KevProcess(args, kev_env(**SESSION_ENV), tmp_path / "gateway.log")
+        children.append(gateway)
+        ready = _ready_processes(gateway)
+        assert len(ready["pids"]) == 2 and len(set(ready["reply_topics"])) == 2, ready
+        assert ready["url"] == f"http://127.0.0.1:{port}"
+
+        def ask(i: int) -> str:  # a client of its own each: a fresh connection, accepted by either process
+            with openai.OpenAI(base_url=f"{ready['url']}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+                reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                                       max_tokens=3)
+                return reply.choices[0].message.content
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        assert all(answers), answers
+        gateway.signal(signal.SIGTERM)
+        assert gateway.wait(60) == 0, gateway.describe()
+        for pid in ready["pids"]:
+            assert not _alive(pid), f"gateway process {pid} outlived its parent"
+
+        gateway = KevProcess(args, kev_env(**SESSION_ENV), tmp_path / "gateway2.log")
+        children.append(gateway)
+        ready = _ready_processes(gateway)
+        os.kill(ready["pids"][0], signal.SIGKILL)
+        assert gateway.wait(60) == 1, gateway.describe()
+        assert f"pid {ready['pids'][0]}) exited with -9" in gateway.log(), gateway.describe()
+        assert not _alive(ready["pids"][1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # -- a crash inside the gateway ---------------------------------------------------------------------------

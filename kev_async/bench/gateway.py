@@ -45,6 +45,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     gateway.add_argument("--gateway-process", action="store_true",
                          help="run the gateway as its own `kev gateway` process, as deployed, instead of in the "
                               "bench's event loop beside the worker and both clients")
+    gateway.add_argument("--gateway-processes", type=int, default=1, metavar="N",
+                         help="with --gateway-process: `kev gateway --processes N`, N event loops on one port "
+                              "(default 1; implies --gateway-process); the CPU column sums them")
     gateway.add_argument("--worker-process", action="store_true",
                          help="run the worker as its own `kev serve` process, as deployed, so that the clients' "
                               "work in the bench's event loop does not delay the worker's")
@@ -56,14 +59,16 @@ def _cli(args: argparse.Namespace) -> int:
 
     model = bench_model(args)
     anyio.run(partial(bench_gateway, model, concurrency=args.concurrency, rounds=args.rounds,
-                      max_new_tokens=args.max_new_tokens, gateway_process=args.gateway_process,
-                      worker_process=args.worker_process), backend="asyncio",
+                      max_new_tokens=args.max_new_tokens,
+                      gateway_process=args.gateway_process or args.gateway_processes > 1,
+                      gateway_processes=args.gateway_processes, worker_process=args.worker_process), backend="asyncio",
               backend_options={"use_uvloop": has_uvloop()})  # clients as lean as the gateway's own loop
     return 0
 
 
 async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max_new_tokens: int,
-                        gateway_process: bool = False, worker_process: bool = False, out=print) -> dict:
+                        gateway_process: bool = False, gateway_processes: int = 1, worker_process: bool = False,
+                        out=print) -> dict:
     """Latencies per path at each concurrency level; the returned figures are the highest level's."""
     import msgspec
 
@@ -73,6 +78,8 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
     from kev_async.runtime.lifecycle import Shutdown
     from schemas import KevConfig
 
+    if gateway_processes > 1 and not gateway_process:
+        raise ValueError("gateway_processes > 1 needs gateway_process: the processes are `kev gateway --processes N`")
     levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
     cfg = KevConfig()
     cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0),
@@ -86,7 +93,8 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
         else:
             await tg.start(partial(serve, cfg, shutdown, model=model))
         if gateway_process:
-            url, gateway_pid = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, shutdown)
+            url, gateway_pid = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, gateway_processes,
+                                              shutdown)
         else:
             url, gateway_pid = (await tg.start(partial(run_gateway, cfg, shutdown))).url, os.getpid()
         direct = _DirectClient(cfg.kafka, max_new_tokens)
@@ -113,12 +121,13 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
             await direct.stop()
         shutdown.request("bench finished")
     where = {True: "its own process", False: "the bench's process"}
-    return _report(measured, cpu_ms, model.name, rounds, max_new_tokens, where[gateway_process],
-                   where[worker_process], out)
+    gateway_in = f"{gateway_processes} processes" if gateway_processes > 1 else where[gateway_process]
+    return _report(measured, cpu_ms, model.name, rounds, max_new_tokens, gateway_in, where[worker_process], out)
 
 
-async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> None:
-    """`kev gateway` as a child process on a free port; started once /health answers, stopped with SIGTERM."""
+async def _gateway_process(bootstrap_servers: str, processes: int, shutdown, *, task_status) -> None:
+    """`kev gateway` as a child process on a free port; started once /health answers, stopped with SIGTERM.
+    With processes > 1 it is the parent of that many gateway processes."""
     import socket
 
     import httpx
@@ -128,7 +137,8 @@ async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> 
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     env = {"KEV_GATEWAY__SERVED_MODEL_NAME": "bench"}
-    async with _kev_process(["gateway", "--bootstrap-servers", bootstrap_servers, "--port", str(port)], env) as process:
+    argv = ["gateway", "--bootstrap-servers", bootstrap_servers, "--port", str(port), "--processes", str(processes)]
+    async with _kev_process(argv, env) as process:
         async with httpx.AsyncClient() as client:
             with anyio.fail_after(60):
                 while True:
@@ -145,6 +155,26 @@ async def _gateway_process(bootstrap_servers: str, shutdown, *, task_status) -> 
 
 
 def _cpu_seconds(pid: int) -> float:
+    """CPU a process, its threads and its child processes (`--processes N`) have used, in seconds."""
+    return _own_cpu_seconds(pid) + sum(_cpu_seconds(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    children = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as listed:
+                children += [int(child) for child in listed.read().split()]
+        except (OSError, ValueError):
+            pass
+    return children
+
+
+def _own_cpu_seconds(pid: int) -> float:
     """CPU a process's threads have used, in seconds: nanoseconds from /proc/<pid>/task/*/schedstat, else
     /proc/<pid>/stat's 10 ms ticks; 0 off Linux (the CPU column then reads 0)."""
     try:

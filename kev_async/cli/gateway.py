@@ -23,7 +23,12 @@ A request's `model` is the served model (gateway.served_model_name) or a LoRA ad
 kev.control. API keys (gateway.api_keys or gateway.api_keys_file) map to tenants; with none
 configured the gateway is open. A client that disconnects, or a deadline that passes, cancels its
 question on kev.control so the worker frees its KV blocks. SIGINT/SIGTERM: stop accepting, let
-requests in flight finish (5 s), exit 0."""
+requests in flight finish (5 s), exit 0.
+
+--processes N (gateway.processes) runs N such gateways on the one port, each with its own event loop,
+producer and reply topic: at high concurrency a request waits for its loop's work on the requests
+ahead of it, so more processes cut that wait where cores are free. /metrics and /health then describe
+the process that accepted the connection."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,10 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="HOST:PORT[,HOST:PORT] of the brokers the workers use (kafka.bootstrap_servers)")
     gateway.add_argument("--host", default=None, help="address to listen on (gateway.host, default 127.0.0.1)")
     gateway.add_argument("--port", type=int, default=None, help="port to listen on (gateway.port, default 8000)")
+    gateway.add_argument("--processes", type=int, default=None,
+                         help="gateway processes sharing the port (gateway.processes, default 1)")
     gateway.set_defaults(func=_gateway)
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from kev_async.gateway.processes import ChildExited, run_gateway_processes
     from kev_async.gateway.server import has_uvloop, run_gateway
     from kev_async.logs import configure_logging
     from kev_async.runtime.lifecycle import run_service
@@ -52,13 +60,28 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     if args.bootstrap_servers:
         cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap_servers=args.bootstrap_servers))
-    listen = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
-    if listen:
-        cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, **listen))
+    given = {key: value for key, value in (("host", args.host), ("port", args.port), ("processes", args.processes))
+             if value is not None}
+    if given:
+        try:
+            gateway = msgspec.convert(msgspec.to_builtins(msgspec.structs.replace(cfg.gateway, **given)),
+                                      type(cfg.gateway))  # checked as kev.yaml's values are
+        except msgspec.ValidationError as error:
+            print(f"kev gateway: {str(error).replace('`$', '`gateway')}", file=sys.stderr)
+            return 2
+        cfg = msgspec.structs.replace(cfg, gateway=gateway)
     if cfg.kafka.bootstrap_servers == EMBEDDED:
         print("kev gateway: give the brokers the workers use (--bootstrap-servers or kafka.bootstrap_servers); "
               "`kev demo --http` runs a worker and the gateway together on the embedded broker", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
-    return anyio.run(partial(run_service, partial(run_gateway, cfg), drain_deadline=10.0), backend="asyncio",
-                     backend_options={"use_uvloop": has_uvloop()})
+    serve = run_gateway if cfg.gateway.processes == 1 else run_gateway_processes
+    try:
+        return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=10.0), backend="asyncio",
+                         backend_options={"use_uvloop": has_uvloop()})
+    except ExceptionGroup as group:  # run_service's task group wraps what the processes' parent raised
+        exited, rest = group.split(ChildExited)
+        if rest is not None or exited is None:
+            raise
+        print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
+        return 1

@@ -50,8 +50,12 @@ def reply_topic_name(instance: str | None = None) -> str:
     return f"kev.replies.{instance or uuid.uuid4().hex[:12]}"
 
 
-async def run_gateway(cfg: KevConfig, shutdown: Any, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve until `shutdown.requested` is set (a kev_async Shutdown, or anything with that Event)."""
+async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | None = None,
+                      task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    """Serve until `shutdown.requested` is set (a kev_async Shutdown, or anything with that Event).
+
+    `sock`: a listening socket to accept on (one of `kev gateway --processes N`); else it listens on
+    gateway.host and gateway.port itself."""
     kafka = cfg.kafka
     if kafka.bootstrap_servers == EMBEDDED:
         raise ValueError("the gateway needs a running broker: set kafka.bootstrap_servers (or --bootstrap-servers) "
@@ -65,9 +69,8 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, task_status: TaskStatus 
         async with anyio.create_task_group() as tg:
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
-            sock = _listen(cfg.gateway.host, cfg.gateway.port)
-            host, port = sock.getsockname()[:2]
-            url = f"http://{_url_host(host)}:{port}"
+            sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
+            url = socket_url(sock)
             log.info("gateway.ready", url=url, model=gateway.catalog.model, reply_topic=replies.topic,
                      auth="api_keys" if auth.enabled else "off", bootstrap_servers=kafka.bootstrap_servers)
             http_stopped = anyio.Event()
@@ -81,7 +84,7 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, task_status: TaskStatus 
         await _delete_topic(kafka, replies.topic)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     """Listen now, so a client arriving before uvicorn's loop starts waits instead of being refused.
 
     proto=IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections whose socket says
@@ -127,10 +130,12 @@ async def _serve_http(app, sock: socket.socket, shutdown: Any, stopped: anyio.Ev
         stopped.set()
 
 
-def _url_host(host: str) -> str:
+def socket_url(sock: socket.socket) -> str:
+    """http://host:port of a listening socket; a wildcard address is reached through the loopback."""
+    host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::"):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _delete_topic(kafka: KafkaConfig, topic: str) -> None:
