@@ -63,11 +63,13 @@ class Model:
 
 
 def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | torch.dtype | None = None,
-               weights: str | None = None, deterministic: bool = False) -> Model:
+               weights: str | None = None, deterministic: bool = False, pack_fp32: bool = True) -> Model:
     """Load an HF directory, a .gguf file or a built-in name (e.g. "smollm2-135m-instruct").
 
     `dtype`: fp32 | bf16 | fp16 compute and storage dtype (bf16 on a CPU without bf16 instructions
     falls back to fp32, logged). `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
+    `pack_fp32`: on CPU, fp32 matrices also get a oneDNN-packed copy for decode-sized products
+    (engine/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -80,7 +82,8 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
-                                            deterministic=deterministic, int8=weight_format == "int8")
+                                            deterministic=deterministic, int8=weight_format == "int8",
+                                            pack_fp32=pack_fp32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
         from engine.paged_decode import kernel

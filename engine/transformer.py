@@ -39,6 +39,15 @@ class LayerWeights:
     down: torch.Tensor
 
 
+def _unpacked(matrix):
+    """The plain matrix of a weight (an fp32 packed weight keeps one); quantising starts from it."""
+    if not isinstance(matrix, PackedWeight):
+        return matrix
+    if matrix.plain is None:
+        raise ValueError("a bf16 matrix packed for oneDNN cannot be quantised; load the model with weights='int8'")
+    return matrix.plain
+
+
 class Transformer:
     def __init__(self, spec, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
                  lm_head: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], deterministic: bool = False):
@@ -70,6 +79,9 @@ class Transformer:
         seen, total = set(), 0
         tensors = [self.embed, self.final_norm, self.lm_head] + [
             t for layer in self.layers for t in vars(layer).values() if t is not None]
+        # An fp32 packed weight holds its plain matrix too, which may be the tied embedding table.
+        tensors = [part for t in tensors for part in ((t.packed, t.plain) if isinstance(t, PackedWeight) else (t,))
+                   if part is not None]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -79,15 +91,15 @@ class Transformer:
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matmul and the embedding table (the biggest matrix: tied to the
         output head in small models). Norms, biases and rotary tables stay in the compute dtype."""
-        tied = self.lm_head is self.embed
+        tied = _unpacked(self.lm_head) is self.embed
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
-                setattr(layer, name, Int8Weight(getattr(layer, name)))
+                setattr(layer, name, Int8Weight(_unpacked(getattr(layer, name))))
         self.embed = Int8Weight(self.embed)
-        self.lm_head = self.embed if tied else Int8Weight(self.lm_head)
+        self.lm_head = self.embed if tied else Int8Weight(_unpacked(self.lm_head))
 
     def pack_weights(self) -> None:
-        """bf16 on CPU: every matmul's weight reordered once into oneDNN's layout (engine/packed_weight.py).
+        """On CPU, every matmul's weight reordered once into oneDNN's layout (engine/packed_weight.py).
         A tied embedding table stays as it is for lookups; the output head gets its own packed copy."""
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
@@ -96,7 +108,7 @@ class Transformer:
 
     @classmethod
     def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False,
-                         int8: bool = False) -> "Transformer":
+                         int8: bool = False, pack_fp32: bool = True) -> "Transformer":
         from safetensors.torch import load_file
 
         raw: dict[str, torch.Tensor] = {}
@@ -104,11 +116,11 @@ class Transformer:
             raw.update(load_file(str(file)))
         if not raw:
             raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic, int8)
+        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic, int8, pack_fp32)
 
     @classmethod
     def from_state_dict(cls, spec, raw: dict[str, torch.Tensor], rope, device, dtype,
-                        deterministic=False, int8: bool = False) -> "Transformer":
+                        deterministic=False, int8: bool = False, pack_fp32: bool = True) -> "Transformer":
         def get(name: str) -> torch.Tensor:
             if name not in raw:
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
@@ -121,7 +133,7 @@ class Transformer:
         model = cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin))
         if int8:
             model.quantize_int8()
-        elif can_pack(dtype, device):
+        elif can_pack(dtype, device) and (pack_fp32 or dtype != torch.float32):
             model.pack_weights()
         model.set_deterministic(deterministic)  # after quantising: the tile check sees the real kernels
         return model

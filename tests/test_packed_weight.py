@@ -1,4 +1,5 @@
-"""bf16 weights reordered once into oneDNN's layout multiply exactly as F.linear does at decode-sized row counts."""
+"""Weights reordered once into oneDNN's layout: bf16 multiplies exactly as F.linear does at decode-sized row
+counts; fp32 keeps its plain matrix for the row counts where MKL is faster and stays within rounding."""
 
 from __future__ import annotations
 
@@ -24,11 +25,47 @@ def test_packed_linear_is_bitwise_f_linear_at_every_row_count(rows):
     assert packed.shape == weight.shape and packed.dtype == torch.bfloat16
 
 
-def test_a_bf16_model_on_cpu_multiplies_by_packed_weights_and_fp32_does_not(tiny_models):
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 32, 96, 97, 300])
+def test_fp32_packed_linear_agrees_with_f_linear_and_takes_the_plain_matrix_outside_its_rows(rows):
+    from engine.packed_weight import PACKED_FP32_ROWS
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(960, 576, generator=generator) * 0.05
+    bias = torch.randn(960, generator=generator)
+    x = torch.randn(rows, 576, generator=generator)
+    packed = PackedWeight(weight)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    if rows not in PACKED_FP32_ROWS:  # MKL's own product, bit for bit
+        assert torch.equal(packed.linear(x, bias), F.linear(x, weight, bias))
+    assert packed.plain is weight and packed.nbytes >= 2 * weight.nbytes
+
+
+def test_models_on_cpu_multiply_by_packed_weights_and_count_a_tied_table_once(tiny_models):
     from conftest import kev_model_from_hf
 
     tiny = next(iter(tiny_models.values()))
     bf16 = kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16).weights
-    assert all(isinstance(m, PackedWeight) for m in bf16.matrices())
+    assert all(isinstance(m, PackedWeight) and m.plain is None for m in bf16.matrices())
     assert isinstance(bf16.embed, torch.Tensor)  # lookups read the plain table
-    assert all(isinstance(m, torch.Tensor) for m in tiny.kev.weights.matrices())
+    fp32 = tiny_models["llama3-rope-tied"].kev.weights
+    assert all(isinstance(m, PackedWeight) and m.plain is not None for m in fp32.matrices())
+    assert fp32.lm_head.plain is fp32.embed  # tied: the table is also the output head's plain copy, counted once
+    small = fp32.final_norm.nbytes + sum(t.nbytes for layer in fp32.layers for t in vars(layer).values()
+                                         if isinstance(t, torch.Tensor))  # norms, biases
+    assert fp32.nbytes == small + sum(m.nbytes for m in fp32.matrices())
+
+
+def test_pack_fp32_off_keeps_one_plain_copy_and_the_same_products(tiny_models):
+    from engine.model import rope_tables, spec_from_config
+    from engine.transformer import Transformer
+
+    tiny = tiny_models["llama"]
+    spec = spec_from_config(tiny.hf.config)
+    plain = Transformer.from_state_dict(spec, tiny.hf.state_dict(), rope_tables(tiny.hf.config, spec),
+                                        torch.device("cpu"), torch.float32, pack_fp32=False)
+    packed = tiny.kev.weights
+    assert all(isinstance(m, torch.Tensor) for m in plain.matrices())
+    assert plain.nbytes < packed.nbytes
+    x = torch.randn(8, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(plain.linear(x, plain.layers[0].gate_up), packed.linear(x, packed.layers[0].gate_up),
+                               rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ def _ask(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     set_threads(cfg.core.threads)
     model = load_model(args.model or cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
-                       weights=cfg.core.weights)
+                       weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32)
     options = EngineOptions.from_config(cfg, worker="kev-ask")
     pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
     params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
