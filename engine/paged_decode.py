@@ -166,6 +166,38 @@ static inline __m512 lane_sums16(const __m512 (&v)[16]) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 values of a cached row as fp32; bf16 is the top half of an fp32, so widening is exact.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// acc[g * D ..] += weight[g * len + t0 + j] * value row j, for a block's `count` rows in order. The G x D
+// sums are vector variables, so they stay in registers; as a plain float array GCC kept them on the stack
+// and every row paid a store and a reload per sum. Each sum is one fma per row, as before: same bits.
+template <typename T, int D, int G>
+static inline void add_values(const T* rows, const T* next, int64_t stride, int64_t count, const float* weight,
+                              int64_t len, int64_t t0, float* acc) {
+  constexpr int C = D / 16;
+  __m512 sum[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
+  for (int64_t j = 0; j < count; ++j) {
+    fetch_row<T, D>(next ? next + j * stride : nullptr);
+    __m512 value[C];
+    for (int c = 0; c < C; ++c) value[c] = load16(rows + j * stride + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(weight[g * len + t0 + j]);
+      for (int c = 0; c < C; ++c) sum[g][c] = _mm512_fmadd_ps(p, value[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, sum[g][c]);
+}
+#endif
+
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
 static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
@@ -243,6 +275,13 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
              [&](int64_t t0, const T* rows, int64_t count, const T* next) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       float* a = acc + h * G * D;
+#if defined(__AVX512F__)
+      if constexpr (D % 16 == 0) {
+        add_values<T, D, G>(rows + h * D, next ? next + h * D : nullptr, stride, count, scores + h * G * len, len,
+                            t0, a);
+        continue;
+      }
+#endif
       float sum[G][D];
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) sum[g][d] = a[g * D + d];
