@@ -423,7 +423,7 @@ def _ready_processes(gateway, timeout: float = 60.0) -> dict:
 
 def test_kev_gateway_processes_share_a_port_answer_and_stop_together(stack, tmp_path):
     """`--processes 2`: two gateways behind one port answer the openai client; SIGTERM stops both (exit 0);
-    a child that dies stops the other and the parent exits 1, naming it."""
+    a child that dies stops the other and the parent exits 1, naming it; a killed parent's children stop."""
     import os
 
     from gateway_fixtures import free_port
@@ -463,6 +463,15 @@ def test_kev_gateway_processes_share_a_port_answer_and_stop_together(stack, tmp_
         assert gateway.wait(60) == 1, gateway.describe()
         assert f"pid {ready['pids'][0]}) exited with -9" in gateway.log(), gateway.describe()
         assert not _alive(ready["pids"][1])
+
+        gateway = KevProcess(args, kev_env(**SESSION_ENV), tmp_path / "gateway3.log")
+        children.append(gateway)
+        ready = _ready_processes(gateway)
+        gateway.kill()  # SIGKILL: the parent cannot pass anything on; its children see their stdin close
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ready["pids"]):
+            assert time.monotonic() < deadline, f"gateway processes {ready['pids']} outlived a killed parent"
+            time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:
