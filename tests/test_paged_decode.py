@@ -27,10 +27,10 @@ def _many(lengths: list[int]) -> list[int]:
     return (lengths * rows)[:max(rows, len(lengths))]
 
 
-def _setup(dtype, lengths, seed=0):
+def _setup(dtype, lengths, seed=0, spec=SPEC):
     gen = torch.Generator().manual_seed(seed)
     blocks = sum(-(-length // BLOCK) for length in lengths) + 8
-    kv = KVCache(SPEC, blocks, BLOCK, dtype, torch.device("cpu"))
+    kv = KVCache(spec, blocks, BLOCK, dtype, torch.device("cpu"))
     kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
     kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
     free = torch.randperm(blocks, generator=gen).tolist()
@@ -38,7 +38,7 @@ def _setup(dtype, lengths, seed=0):
     for row, length in enumerate(lengths):
         blocks = tuple(free.pop() for _ in range(-(-length // BLOCK)))
         segments.append(Segment(row, 1, length, blocks, generated=True))
-    q = torch.randn(len(lengths), SPEC.num_heads, SPEC.head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), spec.num_heads, spec.head_dim, generator=gen).to(dtype)
     return kv, segments, q
 
 
@@ -47,6 +47,18 @@ def _setup(dtype, lengths, seed=0):
 def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance, many):
     lengths = [1, 7, 16, 17, 130, 300, 45]
     kv, segments, q = _setup(dtype, _many(lengths) if many else lengths[:3])
+    layer = kv.layers[0]
+    paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (128, 4), (128, 8)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_other_head_sizes_and_groups_give_sdpa_s_answer(dtype, tolerance, head_dim, group):
+    """Every head size and query heads per KV head the kernel takes (the tests above: 64 and 3)."""
+    spec = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=head_dim, num_heads=2 * group)
+    kv, segments, q = _setup(dtype, _many([1, 16, 17, 130, 45]), spec=spec)
     layer = kv.layers[0]
     paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)

@@ -20,3 +20,19 @@ def positive_ints(what: str, example: str) -> Callable[[str], list[int]]:
 
     parse.__name__ = what  # argparse names the type in its own messages
     return parse
+
+
+def positive_int(what: str) -> Callable[[str], int]:
+    """A type for one whole number, 1 or more."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be a whole number") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be 1 or more")
+        return value
+
+    parse.__name__ = what
+    return parse

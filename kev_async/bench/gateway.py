@@ -21,7 +21,7 @@ from functools import partial
 
 import anyio
 
-from kev_async.bench.arguments import positive_ints
+from kev_async.bench.arguments import positive_int, positive_ints
 from kev_async.bench.model import bench_model
 
 PROMPT = "Name one colour. Question {i}."
@@ -45,7 +45,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
     gateway.add_argument("--gateway-process", action="store_true",
                          help="run the gateway as its own `kev gateway` process, as deployed, instead of in the "
                               "bench's event loop beside the worker and both clients")
-    gateway.add_argument("--gateway-processes", type=int, default=1, metavar="N",
+    gateway.add_argument("--gateway-processes", type=positive_int("gateway processes"), default=1, metavar="N",
                          help="with --gateway-process: `kev gateway --processes N`, N event loops on one port "
                               "(default 1; implies --gateway-process); the CPU column sums them")
     gateway.add_argument("--worker-process", action="store_true",
@@ -103,6 +103,7 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
             http = _HttpClient(url, max_new_tokens, max(levels))
             with anyio.fail_after(WARM_UP_S):  # a worker process loads its model and joins the group first
                 await http.round(max(levels))  # warm both paths: group assignment, first forward
+                spread = http.spread()
                 await direct.round(max(levels))
             measured, cpu_ms = {}, {}
             for level in levels:
@@ -122,7 +123,8 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
         shutdown.request("bench finished")
     where = {True: "its own process", False: "the bench's process"}
     gateway_in = f"{gateway_processes} processes" if gateway_processes > 1 else where[gateway_process]
-    return _report(measured, cpu_ms, model.name, rounds, max_new_tokens, gateway_in, where[worker_process], out)
+    return _report(measured, cpu_ms, model.name, rounds, max_new_tokens, gateway_in, where[worker_process], out,
+                   spread if gateway_processes > 1 else None)
 
 
 async def _gateway_process(bootstrap_servers: str, processes: int, shutdown, *, task_status) -> None:
@@ -139,17 +141,20 @@ async def _gateway_process(bootstrap_servers: str, processes: int, shutdown, *, 
     env = {"KEV_GATEWAY__SERVED_MODEL_NAME": "bench"}
     argv = ["gateway", "--bootstrap-servers", bootstrap_servers, "--port", str(port), "--processes", str(processes)]
     async with _kev_process(argv, env) as process:
-        async with httpx.AsyncClient() as client:
-            with anyio.fail_after(60):
-                while True:
-                    if process.returncode is not None:
-                        raise RuntimeError(f"`kev gateway` exited with {process.returncode} before it was ready")
-                    try:
-                        if (await client.get(f"{url}/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await anyio.sleep(0.2)
+        seen: set[int] = set()  # gateway processes that answered: ready once all have
+        with anyio.fail_after(60):
+            while len(seen) < processes:
+                if process.returncode is not None:
+                    raise RuntimeError(f"`kev gateway` exited with {process.returncode} before it was ready")
+                try:
+                    async with httpx.AsyncClient() as client:  # a new connection each time: any process may take it
+                        health = await client.get(f"{url}/health")
+                    if health.status_code == 200:
+                        seen.add(health.json()["pid"])
+                        continue
+                except httpx.TransportError:
+                    pass
+                await anyio.sleep(0.2)
         task_status.started((url, process.pid))
         await shutdown.requested.wait()
 
@@ -239,9 +244,11 @@ async def _kev_process(argv: list[str], env: dict[str, str]):
 
 
 def _report(measured: dict[int, dict[str, list[float]]], cpu_ms: dict[int, float], model: str, rounds: int,
-            max_new_tokens: int, gateway_in: str, worker_in: str, out) -> dict:
+            max_new_tokens: int, gateway_in: str, worker_in: str, out, spread: list[int] | None = None) -> dict:
     out(f"model {model}, {rounds} rounds per path and level, <= {max_new_tokens} new tokens, greedy, embedded "
         f"broker, the gateway in {gateway_in}, the worker in {worker_in}")
+    if spread is not None:  # keep-alive connections stay where they were accepted
+        out(f"connections per gateway process: {' / '.join(map(str, spread))}")
     out("| concurrent | path | requests | p50 ms | p90 ms |\n|---:|---|---:|---:|---:|")
     rows = {}
     for level, latencies in measured.items():
@@ -257,7 +264,7 @@ def _report(measured: dict[int, dict[str, list[float]]], cpu_ms: dict[int, float
         cpu = row.get("gateway_cpu_ms_per_request")
         spent = f" (the gateway process used {cpu:.2f} ms of CPU per request)" if cpu is not None else ""
         out(f"gateway adds {row['added_p50_ms']:.1f} ms at p50 with {level} concurrent{spent}")
-    return {**rows[max(rows)], "levels": rows}
+    return {**rows[max(rows)], "levels": rows, **({"connections_per_process": spread} if spread else {})}
 
 
 class _HttpClient:
@@ -275,6 +282,13 @@ class _HttpClient:
         self.port, self.max_new_tokens = int(port), max_new_tokens
         self.connections: list[_Connection] = []
 
+    def spread(self) -> list[int]:
+        """How many of the open connections each gateway process holds, most first."""
+        counts: dict[int, int] = {}
+        for connection in self.connections:
+            counts[connection.pid] = counts.get(connection.pid, 0) + 1
+        return sorted(counts.values(), reverse=True)
+
     async def round(self, concurrency: int) -> list[float]:
         import asyncio
 
@@ -283,6 +297,10 @@ class _HttpClient:
         self.connections = [c for c in self.connections if not c.transport.is_closing()]
         while len(self.connections) < concurrency:
             _, connection = await loop.create_connection(lambda: _Connection(self.host), self.host, self.port)
+            status, body = await connection.request("GET", "/health")
+            if status != 200:
+                raise RuntimeError(f"the gateway's /health answered HTTP {status}")
+            connection.pid = json.loads(body)["pid"]
             self.connections.append(connection)
         latencies: list[float] = []
 
@@ -290,7 +308,7 @@ class _HttpClient:
             body = {"model": "bench", "max_tokens": self.max_new_tokens,
                     "messages": [{"role": "user", "content": PROMPT.format(i=i)}]}
             started = time.perf_counter()
-            status = await self.connections[i].post("/v1/chat/completions", json.dumps(body).encode())
+            status, _ = await self.connections[i].request("POST", "/v1/chat/completions", json.dumps(body).encode())
             if status != 200:
                 raise RuntimeError(f"the gateway answered HTTP {status}")
             latencies.append(time.perf_counter() - started)
@@ -304,13 +322,14 @@ class _HttpClient:
 
 
 class _Connection:
-    """One keep-alive connection: a POST, then its response's status once the whole body is in."""
+    """One keep-alive connection: a request, then its response's status and body once the body is in."""
 
     def __init__(self, host: str) -> None:
         self.host = host
         self.transport = None
         self.buffer = b""
         self.response = None  # the future of the request in flight
+        self.pid = 0  # the gateway process holding the connection (from its /health)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -327,8 +346,9 @@ class _Connection:
             self.response.set_exception(RuntimeError(f"a response without content-length: {lines[0]!r}"))
             return
         if len(self.buffer) >= head_end + 4 + length:
+            body = self.buffer[head_end + 4:head_end + 4 + length]
             self.buffer = self.buffer[head_end + 4 + length:]
-            self.response.set_result(int(lines[0].split()[1]))
+            self.response.set_result((int(lines[0].split()[1]), body))
 
     def connection_lost(self, error) -> None:
         if self.response is not None and not self.response.done():
@@ -343,10 +363,10 @@ class _Connection:
     def resume_writing(self) -> None:
         return None
 
-    async def post(self, path: str, body: bytes) -> int:
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         import asyncio
 
-        head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+        head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n\r\n").encode()
         self.response = asyncio.get_running_loop().create_future()
         self.transport.write(head + body)

@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from kev_async.gateway.processes import ChildExited, run_gateway_processes
+    from kev_async.gateway.processes import CHILD_DRAIN_S, PARENT_DRAIN_S, ChildExited, run_gateway_processes
     from kev_async.gateway.server import has_uvloop, run_gateway
     from kev_async.logs import configure_logging
     from kev_async.runtime.lifecycle import run_service
@@ -75,9 +75,12 @@ def _gateway(args: argparse.Namespace) -> int:
               "`kev demo --http` runs a worker and the gateway together on the embedded broker", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
-    serve = run_gateway if cfg.gateway.processes == 1 else run_gateway_processes
+    if cfg.gateway.processes == 1:
+        serve, drain_deadline = run_gateway, CHILD_DRAIN_S
+    else:
+        serve, drain_deadline = run_gateway_processes, PARENT_DRAIN_S
     try:
-        return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=10.0), backend="asyncio",
+        return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=drain_deadline), backend="asyncio",
                          backend_options={"use_uvloop": has_uvloop()})
     except ExceptionGroup as group:  # run_service's task group wraps what the processes' parent raised
         exited, rest = group.split(ChildExited)

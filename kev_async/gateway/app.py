@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -161,7 +162,8 @@ async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ok = gateway.publisher.healthy
     body = {"status": "ok" if ok else "broker_unavailable", "model": gateway.catalog.model,
-            "reply_topic": gateway.replies.topic, "in_flight": gateway.replies.waiting}
+            "reply_topic": gateway.replies.topic, "in_flight": gateway.replies.waiting,
+            "pid": os.getpid()}  # which process answered, with `kev gateway --processes N`
     return _json(body, status=200 if ok else 503)
 
 

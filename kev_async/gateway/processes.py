@@ -1,4 +1,4 @@
-"""`kev gateway --processes N` (gateway.processes): N whole gateways accepting on one listening socket.
+"""`kev gateway --processes N` (gateway.processes): N whole gateways accepting on one port.
 
 One gateway serves all its requests from one event loop, so at high concurrency a request's latency
 includes the loop's CPU for every request queued ahead of it (~0.4 ms each at 64 concurrent). N
@@ -7,19 +7,22 @@ processes split that queue; each is a whole gateway, with its own producer, repl
     running = await tg.start(partial(run_gateway_processes, cfg, shutdown))
     print(running.url, [child.pid for child in running.children])
 
-The parent listens and starts the children (`python -m kev_async.gateway.processes`), each with the
-listening socket inherited and the resolved config on its stdin, then accepts nothing itself: the
-kernel gives each new connection to whichever child accepts first, and a keep-alive connection stays
-with its child. So /metrics and /health describe the child that accepted the connection.
+The parent opens one listening socket per child on the port (SO_REUSEPORT on Linux, where the kernel
+spreads new connections over them by address hash; elsewhere one shared socket) and starts the
+children (`python -m kev_async.gateway.processes`), each with its socket inherited and the resolved
+config on its stdin; the parent accepts nothing. A keep-alive connection stays with its child, so
+/metrics and /health describe the child that holds the connection (/health names its pid).
 
 Stopping: the parent's first SIGINT/SIGTERM becomes one SIGTERM per child, and each drains as a lone
 gateway does. The children run in their own session, so a terminal's Ctrl-C reaches the parent only
-(a second signal would make a child skip its drain). A child that exits by itself stops the others and
-the parent fails with ChildExited. A child whose parent is gone sees its stdin close and stops.
+(a second signal would make a child skip its drain). A child that exits by itself, or fails its
+drain, stops the others and the parent fails with ChildExited (`kev gateway` exits 1). A child whose
+parent is gone sees its stdin close and stops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -34,13 +37,17 @@ import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
-from kev_async.gateway.server import GRACEFUL_TIMEOUT_S, listen, socket_url
+from kev_async.gateway.server import listen, socket_url
 from schemas import KevConfig
 
 log = structlog.get_logger("kev.gateway.processes")
 
 LISTEN_FD_ENV = "KEV_GATEWAY_LISTEN_FD"
 START_TIMEOUT_S = 60.0  # a child imports, connects to the brokers and makes its reply topic in a few seconds
+CHILD_DRAIN_S = 10.0  # a child's own drain deadline, as `kev gateway`'s
+# A child's whole stop: its drain, then the producer's flush and the reply topic's deletion (3 s).
+CHILD_STOP_S = CHILD_DRAIN_S + 5.0
+PARENT_DRAIN_S = CHILD_STOP_S + 2.0  # the parent outwaits its children's stops
 
 
 @dataclass(frozen=True)
@@ -70,41 +77,69 @@ class _Ready(msgspec.Struct, frozen=True):
 
 async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
                                 task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve with cfg.gateway.processes children until `shutdown.requested`; ChildExited if one stops early."""
-    sock = listen(cfg.gateway.host, cfg.gateway.port)
+    """Serve with cfg.gateway.processes children until `shutdown.requested`; ChildExited if one stops early
+    or fails its drain."""
+    sockets = listen_sockets(cfg.gateway.host, cfg.gateway.port, cfg.gateway.processes)
+    own_sockets = len({id(sock) for sock in sockets}) == len(sockets)
+    url = socket_url(sockets[0])
     exits: list[str] = []
     try:
         async with anyio.create_task_group() as tg:
             children = []
-            for index in range(cfg.gateway.processes):
+            for index, sock in enumerate(sockets):
+                if shutdown.requested.is_set():
+                    break
                 children.append(await tg.start(_supervise, cfg, sock, index, shutdown, exits))
-            url = socket_url(sock)
-            log.info("gateway.ready", url=url, processes=len(children), pids=[c.pid for c in children],
-                     reply_topics=[c.reply_topic for c in children])
-            sock.close()  # the children hold it; the parent must not look like a listener that never accepts
-            task_status.started(GatewayProcesses(url, children[0].model,
-                                                 tuple(Child(c.pid, c.reply_topic) for c in children)))
+                if own_sockets:
+                    sock.close()  # the child holds it; a parent's copy would only outlive a dead child
+            if children:
+                log.info("gateway.ready", url=url, processes=len(children), pids=[c.pid for c in children],
+                         reply_topics=[c.reply_topic for c in children])
+                task_status.started(GatewayProcesses(url, children[0].model,
+                                                     tuple(Child(c.pid, c.reply_topic) for c in children)))
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
     if exits:
         raise ChildExited("; ".join(exits))
 
 
+def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """One listening socket per child. On Linux each is its own SO_REUSEPORT socket on the one port, and
+    the kernel spreads new connections over them by address hash (a shared socket goes to whichever
+    child's loop wakes first, which under a burst can be one child for all). Elsewhere: one shared socket."""
+    if count == 1 or not sys.platform.startswith("linux"):
+        return [listen(host, port)] * count
+    first = listen(host, port, reuse_port=True)
+    try:
+        return [first] + [listen(host, first.getsockname()[1], reuse_port=True) for _ in range(count - 1)]
+    except OSError:
+        first.close()
+        raise
+
+
 async def _supervise(cfg: KevConfig, sock: socket.socket, index: int, shutdown: Any, exits: list[str], *,
                      task_status: TaskStatus) -> None:
-    """Start child `index`, report it ready, then SIGTERM it at shutdown or stop all if it exits first."""
+    """Start child `index`, report it ready, then SIGTERM it (once) at shutdown; an early exit stops all."""
     process = await anyio.open_process(
         [sys.executable, "-m", "kev_async.gateway.processes"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=None, pass_fds=(sock.fileno(),), env={**os.environ, LISTEN_FD_ENV: str(sock.fileno())},
         start_new_session=True)
+    terminated = False
+
+    def terminate() -> None:
+        nonlocal terminated
+        if not terminated:  # a second SIGTERM would make the child skip its drain
+            terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+
     try:
-        await process.stdin.send(msgspec.json.encode(cfg) + b"\n")  # stdin stays open: its end is the parent's end
-        ready = await _ready_line(process, index)
-        task_status.started(ready)
+        task_status.started(await _start(process, cfg, index))
         async with anyio.create_task_group() as tg:
             async def terminate_at_shutdown() -> None:
                 await shutdown.requested.wait()
-                process.send_signal(signal.SIGTERM)
+                terminate()
 
             tg.start_soon(terminate_at_shutdown)
             code = await process.wait()
@@ -113,10 +148,12 @@ async def _supervise(cfg: KevConfig, sock: socket.socket, index: int, shutdown: 
             exits.append(f"gateway process {index} (pid {process.pid}) exited with {code}")
             log.error("gateway.process_exited", index=index, pid=process.pid, exit_code=code)
             shutdown.request(f"gateway process {index} exited")
+        elif code != 0:  # a drain that failed, or a kill during it
+            exits.append(f"gateway process {index} (pid {process.pid}) exited with {code} while stopping")
+            log.error("gateway.process_stop_failed", index=index, pid=process.pid, exit_code=code)
     finally:
-        with anyio.move_on_after(GRACEFUL_TIMEOUT_S + 5, shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
+        with anyio.move_on_after(CHILD_STOP_S, shield=True):
+            terminate()
             await process.wait()
         if process.returncode is None:
             process.kill()
@@ -124,15 +161,23 @@ async def _supervise(cfg: KevConfig, sock: socket.socket, index: int, shutdown: 
             await process.aclose()
 
 
-async def _ready_line(process, index: int) -> _Ready:
-    line = b""
-    with anyio.fail_after(START_TIMEOUT_S):
-        async for chunk in process.stdout:
-            line += chunk
-            if b"\n" in line:
-                return msgspec.json.decode(line.split(b"\n", 1)[0], type=_Ready)
-    code = await process.wait()
-    raise ChildExited(f"gateway process {index} exited with {code} before it served")
+async def _start(process, cfg: KevConfig, index: int) -> _Ready:
+    """Hand the child its config, then read its ready line; any failure is ChildExited, naming the child."""
+    try:
+        await process.stdin.send(msgspec.json.encode(cfg) + b"\n")  # stdin stays open: its end is the parent's end
+        line = b""
+        with anyio.fail_after(START_TIMEOUT_S):
+            async for chunk in process.stdout:
+                line += chunk
+                if b"\n" in line:
+                    return msgspec.json.decode(line.split(b"\n", 1)[0], type=_Ready)
+    except TimeoutError:
+        raise ChildExited(f"gateway process {index} did not serve within {START_TIMEOUT_S:g} s") from None
+    except (anyio.BrokenResourceError, msgspec.DecodeError) as error:
+        raise ChildExited(f"gateway process {index} failed to start ({type(error).__name__})") from None
+    with anyio.move_on_after(5):
+        await process.wait()
+    raise ChildExited(f"gateway process {index} exited with {process.returncode} before it served")
 
 
 def main() -> int:
@@ -144,7 +189,7 @@ def main() -> int:
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=KevConfig)
     sock = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
     configure_logging(cfg.logging.level, cfg.logging.json)
-    return anyio.run(partial(run_service, partial(_serve_child, cfg, sock), drain_deadline=10.0),
+    return anyio.run(partial(run_service, partial(_serve_child, cfg, sock), drain_deadline=CHILD_DRAIN_S),
                      backend="asyncio", backend_options={"use_uvloop": has_uvloop()})
 
 

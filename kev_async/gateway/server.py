@@ -84,7 +84,7 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
         await _delete_topic(kafka, replies.topic)
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """Listen now, so a client arriving before uvicorn's loop starts waits instead of being refused.
 
     proto=IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections whose socket says
@@ -94,6 +94,8 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several listening sockets on one port (kev gateway --processes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError:
