@@ -386,6 +386,29 @@ def test_kev_gateway_help_and_a_clear_refusal_without_brokers(capsys):
     assert "--bootstrap-servers" in capsys.readouterr().err
 
 
+def test_kev_gateway_says_in_one_line_why_it_cannot_start(kafka_broker):
+    """Brokers it cannot reach, or a port already taken: exit 1 with the reason, not a traceback."""
+    import socket
+
+    from serve_fixtures import KEV, ROOT, kev_env
+
+    def gateway(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KEV), "gateway", *args], cwd=ROOT, env=kev_env(**SESSION_ENV), capture_output=True,
+                              text=True, timeout=120)
+
+    unreachable = gateway("--bootstrap-servers", "127.0.0.1:1", "--port", "0")
+    assert unreachable.returncode == 1 and "kev gateway: cannot reach the brokers" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr and "Unclosed" not in unreachable.stderr, unreachable.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for processes in ("1", "2"):
+            busy = gateway("--bootstrap-servers", kafka_broker.bootstrap_servers, "--port",
+                           str(taken.getsockname()[1]), "--processes", processes)
+            assert busy.returncode == 1 and "kev gateway: cannot listen" in busy.stderr, busy.stderr
+            assert "Traceback" not in busy.stderr, busy.stderr
+
+
 def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
     from serve_fixtures import KevProcess, kev_env, kev_processes
 

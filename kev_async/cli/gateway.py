@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _gateway(args: argparse.Namespace) -> int:
     from kev_async.gateway.processes import CHILD_DRAIN_S, PARENT_DRAIN_S, ChildExited, run_gateway_processes
-    from kev_async.gateway.server import has_uvloop, run_gateway
+    from kev_async.gateway.server import has_uvloop, run_gateway, startup_failure
     from kev_async.logs import configure_logging
     from kev_async.runtime.lifecycle import run_service
     from kev_async.settings import load_config
@@ -82,9 +82,13 @@ def _gateway(args: argparse.Namespace) -> int:
     try:
         return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=drain_deadline), backend="asyncio",
                          backend_options={"use_uvloop": has_uvloop()})
-    except ExceptionGroup as group:  # run_service's task group wraps what the processes' parent raised
+    except ExceptionGroup as group:  # run_service's task group wraps what the gateway raised
         exited, rest = group.split(ChildExited)
-        if rest is not None or exited is None:
+        if rest is None and exited is not None:
+            print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
+            return 1
+        why = startup_failure(group)
+        if why is None:
             raise
-        print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
+        print(f"kev gateway: {why}", file=sys.stderr)
         return 1

@@ -182,15 +182,22 @@ async def _start(process, cfg: KevConfig, index: int) -> _Ready:
 
 def main() -> int:
     """A child: the config from stdin, the socket from the inherited descriptor, then one gateway."""
-    from kev_async.gateway.server import has_uvloop
+    from kev_async.gateway.server import has_uvloop, startup_failure
     from kev_async.logs import configure_logging
     from kev_async.runtime.lifecycle import run_service
 
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=KevConfig)
     sock = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
     configure_logging(cfg.logging.level, cfg.logging.json)
-    return anyio.run(partial(run_service, partial(_serve_child, cfg, sock), drain_deadline=CHILD_DRAIN_S),
-                     backend="asyncio", backend_options={"use_uvloop": has_uvloop()})
+    try:
+        return anyio.run(partial(run_service, partial(_serve_child, cfg, sock), drain_deadline=CHILD_DRAIN_S),
+                         backend="asyncio", backend_options={"use_uvloop": has_uvloop()})
+    except ExceptionGroup as group:
+        why = startup_failure(group)
+        if why is None:
+            raise
+        print(f"kev gateway process {os.getpid()}: {why}", file=sys.stderr)
+        return 1
 
 
 async def _serve_child(cfg: KevConfig, sock: socket.socket, shutdown: Any, *,

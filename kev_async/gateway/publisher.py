@@ -39,7 +39,11 @@ class QuestionPublisher:
         self.healthy = False  # the last publish was acked
 
     async def start(self) -> None:
-        await self.producer.start()
+        try:
+            await self.producer.start()
+        except BaseException:
+            await self.stop()  # a producer that never started still holds its client
+            raise
         self.healthy = True
 
     async def stop(self) -> None:

@@ -153,6 +153,20 @@ async def _delete_topic(kafka: KafkaConfig, topic: str) -> None:
             await admin.close()
 
 
+def startup_failure(group: BaseExceptionGroup) -> str | None:
+    """One line for an operator when the gateway stopped on brokers it cannot reach or a port it cannot
+    listen on (what run_service's task group raised); None for anything else, which keeps its traceback."""
+    failures, rest = group.split((KafkaError, OSError))
+    if failures is None or rest is not None:
+        return None
+    error = failures.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    if isinstance(error, KafkaError):
+        return f"cannot reach the brokers ({error}); start them, or check kafka.bootstrap_servers"
+    return f"cannot listen ({error}); choose another gateway.port or stop what holds it"
+
+
 def has_uvloop() -> bool:
     """uvloop's event loop takes ~30% less CPU per request than asyncio's; without it (not on Windows) the
     gateway runs on plain asyncio."""
