@@ -6,7 +6,6 @@ import argparse
 import sys
 from functools import partial
 
-import anyio
 import msgspec
 
 EMBEDDED = "embedded"  # consumers.EMBEDDED, without importing aiokafka for `kev --help`
@@ -46,9 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _gateway(args: argparse.Namespace) -> int:
     from kev_async.gateway.processes import CHILD_DRAIN_S, PARENT_DRAIN_S, ChildExited, run_gateway_processes
-    from kev_async.gateway.server import has_uvloop, run_gateway, startup_failure
+    from kev_async.gateway.server import run_gateway, run_until_stopped
     from kev_async.logs import configure_logging
-    from kev_async.runtime.lifecycle import run_service
     from kev_async.settings import load_config
     from schemas import ConfigError
 
@@ -80,15 +78,10 @@ def _gateway(args: argparse.Namespace) -> int:
     else:
         serve, drain_deadline = run_gateway_processes, PARENT_DRAIN_S
     try:
-        return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=drain_deadline), backend="asyncio",
-                         backend_options={"use_uvloop": has_uvloop()})
-    except ExceptionGroup as group:  # run_service's task group wraps what the gateway raised
+        return run_until_stopped(partial(serve, cfg), drain_deadline, "kev gateway")
+    except ExceptionGroup as group:  # run_service's task group wraps what the processes' parent raised
         exited, rest = group.split(ChildExited)
-        if rest is None and exited is not None:
-            print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
-            return 1
-        why = startup_failure(group)
-        if why is None:
+        if rest is not None or exited is None:
             raise
-        print(f"kev gateway: {why}", file=sys.stderr)
+        print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
         return 1

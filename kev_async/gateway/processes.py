@@ -50,29 +50,22 @@ CHILD_STOP_S = CHILD_DRAIN_S + 5.0
 PARENT_DRAIN_S = CHILD_STOP_S + 2.0  # the parent outwaits its children's stops
 
 
-@dataclass(frozen=True)
-class Child:
+class GatewayChild(msgspec.Struct, frozen=True):
+    """One gateway process, as it tells its parent on stdout once it serves."""
+
     pid: int
     reply_topic: str
+    model: str
 
 
 @dataclass(frozen=True)
 class GatewayProcesses:
     url: str
-    model: str
-    children: tuple[Child, ...]
+    children: tuple[GatewayChild, ...]
 
 
 class ChildExited(RuntimeError):
     """A gateway process stopped while the others were serving."""
-
-
-class _Ready(msgspec.Struct, frozen=True):
-    """What a child tells its parent on stdout once it serves."""
-
-    pid: int
-    reply_topic: str
-    model: str
 
 
 async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
@@ -80,7 +73,6 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
     """Serve with cfg.gateway.processes children until `shutdown.requested`; ChildExited if one stops early
     or fails its drain."""
     sockets = listen_sockets(cfg.gateway.host, cfg.gateway.port, cfg.gateway.processes)
-    own_sockets = len({id(sock) for sock in sockets}) == len(sockets)
     url = socket_url(sockets[0])
     exits: list[str] = []
     try:
@@ -90,13 +82,11 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
                 if shutdown.requested.is_set():
                     break
                 children.append(await tg.start(_supervise, cfg, sock, index, shutdown, exits))
-                if own_sockets:
-                    sock.close()  # the child holds it; a parent's copy would only outlive a dead child
+                sock.close()  # the child holds it; a parent's copy would only outlive a dead child
             if children:
                 log.info("gateway.ready", url=url, processes=len(children), pids=[c.pid for c in children],
                          reply_topics=[c.reply_topic for c in children])
-                task_status.started(GatewayProcesses(url, children[0].model,
-                                                     tuple(Child(c.pid, c.reply_topic) for c in children)))
+                task_status.started(GatewayProcesses(url, tuple(children)))
     finally:
         for sock in sockets:
             sock.close()
@@ -107,9 +97,11 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """One listening socket per child. On Linux each is its own SO_REUSEPORT socket on the one port, and
     the kernel spreads new connections over them by address hash (a shared socket goes to whichever
-    child's loop wakes first, which under a burst can be one child for all). Elsewhere: one shared socket."""
-    if count == 1 or not sys.platform.startswith("linux"):
-        return [listen(host, port)] * count
+    child's loop wakes first, which under a burst can be one child for all). Elsewhere: one shared socket,
+    a descriptor of it per child."""
+    if not sys.platform.startswith("linux"):
+        first = listen(host, port)
+        return [first] + [first.dup() for _ in range(count - 1)]
     first = listen(host, port, reuse_port=True)
     try:
         return [first] + [listen(host, first.getsockname()[1], reuse_port=True) for _ in range(count - 1)]
@@ -161,7 +153,7 @@ async def _supervise(cfg: KevConfig, sock: socket.socket, index: int, shutdown: 
             await process.aclose()
 
 
-async def _start(process, cfg: KevConfig, index: int) -> _Ready:
+async def _start(process, cfg: KevConfig, index: int) -> GatewayChild:
     """Hand the child its config, then read its ready line; any failure is ChildExited, naming the child."""
     try:
         await process.stdin.send(msgspec.json.encode(cfg) + b"\n")  # stdin stays open: its end is the parent's end
@@ -170,7 +162,7 @@ async def _start(process, cfg: KevConfig, index: int) -> _Ready:
             async for chunk in process.stdout:
                 line += chunk
                 if b"\n" in line:
-                    return msgspec.json.decode(line.split(b"\n", 1)[0], type=_Ready)
+                    return msgspec.json.decode(line.split(b"\n", 1)[0], type=GatewayChild)
     except TimeoutError:
         raise ChildExited(f"gateway process {index} did not serve within {START_TIMEOUT_S:g} s") from None
     except (anyio.BrokenResourceError, msgspec.DecodeError) as error:
@@ -182,22 +174,13 @@ async def _start(process, cfg: KevConfig, index: int) -> _Ready:
 
 def main() -> int:
     """A child: the config from stdin, the socket from the inherited descriptor, then one gateway."""
-    from kev_async.gateway.server import has_uvloop, startup_failure
+    from kev_async.gateway.server import run_until_stopped
     from kev_async.logs import configure_logging
-    from kev_async.runtime.lifecycle import run_service
 
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=KevConfig)
     sock = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
     configure_logging(cfg.logging.level, cfg.logging.json)
-    try:
-        return anyio.run(partial(run_service, partial(_serve_child, cfg, sock), drain_deadline=CHILD_DRAIN_S),
-                         backend="asyncio", backend_options={"use_uvloop": has_uvloop()})
-    except ExceptionGroup as group:
-        why = startup_failure(group)
-        if why is None:
-            raise
-        print(f"kev gateway process {os.getpid()}: {why}", file=sys.stderr)
-        return 1
+    return run_until_stopped(partial(_serve_child, cfg, sock), CHILD_DRAIN_S, f"kev gateway process {os.getpid()}")
 
 
 async def _serve_child(cfg: KevConfig, sock: socket.socket, shutdown: Any, *,
@@ -207,7 +190,8 @@ async def _serve_child(cfg: KevConfig, sock: socket.socket, shutdown: Any, *,
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_when_orphaned, shutdown)
         running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock))
-        sys.stdout.buffer.write(msgspec.json.encode(_Ready(os.getpid(), running.reply_topic, running.model)) + b"\n")
+        ready = GatewayChild(os.getpid(), running.reply_topic, running.model)
+        sys.stdout.buffer.write(msgspec.json.encode(ready) + b"\n")
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads the pipe past that line: it must not fill
         task_status.started()

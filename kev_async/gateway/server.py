@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -153,7 +155,24 @@ async def _delete_topic(kafka: KafkaConfig, topic: str) -> None:
             await admin.close()
 
 
-def startup_failure(group: BaseExceptionGroup) -> str | None:
+def run_until_stopped(serve, drain_deadline: float, who: str) -> int:
+    """`serve(shutdown, task_status=...)` under run_service on asyncio (uvloop where installed) until it
+    stops. Brokers it cannot reach or a port it cannot listen on end it with one line on stderr, naming
+    `who`, and exit code 1; anything else keeps its traceback."""
+    from kev_async.runtime.lifecycle import run_service
+
+    try:
+        return anyio.run(partial(run_service, serve, drain_deadline=drain_deadline), backend="asyncio",
+                         backend_options={"use_uvloop": has_uvloop()})
+    except ExceptionGroup as group:
+        why = _startup_failure(group)
+        if why is None:
+            raise
+        print(f"{who}: {why}", file=sys.stderr)
+        return 1
+
+
+def _startup_failure(group: BaseExceptionGroup) -> str | None:
     """One line for an operator when the gateway stopped on brokers it cannot reach or a port it cannot
     listen on (what run_service's task group raised); None for anything else, which keeps its traceback."""
     failures, rest = group.split((KafkaError, OSError))
