@@ -69,7 +69,8 @@ class EngineCore:
                                      num_blocks=options.num_blocks, budget_bytes=options.kv_budget_bytes,
                                      memory_fraction=options.memory_fraction)
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.kv = KVCache(model.spec, num_blocks, self.block_size, kv_dtype, model.device, model.dtype)
+        key_center = model.key_means() if options.kv_dtype == "int8" else None
+        self.kv = KVCache(model.spec, num_blocks, self.block_size, kv_dtype, model.device, model.dtype, key_center)
         # Each engine gets its own view of the shared weights: its deterministic mode is its own.
         weights = copy.copy(model.weights)
         weights.set_deterministic(options.deterministic)

@@ -3,7 +3,10 @@
 int8 KV: each token's key (and value) per KV head is stored as int8 with one fp16 scale
 (max |x| / 127 over head_dim). The scale depends on that token and head alone, so a token's stored
 bits never depend on what else was written in the same step: isolation (and deterministic mode's
-bitwise promise) hold unchanged. Backends read through `LayerKV.gather`, which dequantises.
+bitwise promise) hold unchanged. Keys are stored less a fixed per-layer, per-head vector (their mean
+over a calibration text, engine/key_means.py): attention scores shift by the same amount for every key
+of a query, which softmax ignores, and the rounding step shrinks. Backends read through
+`LayerKV.gather`, which dequantises (the keys stay centred: nothing downstream needs them whole).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class LayerKV:
         self.quantized = cache.quantized
         if self.quantized:
             self.k_scale, self.v_scale = cache.k_scale[layer], cache.v_scale[layer]
+            self.k_center = cache.k_center[layer]
         self.dtype = cache.compute_dtype
         self.kv_heads = self.k.shape[1]
 
@@ -73,7 +77,7 @@ class LayerKV:
             self.k.index_copy_(0, slots, k)
             self.v.index_copy_(0, slots, v)
             return k, v
-        (qk, sk), (qv, sv) = quantize(k), quantize(v)
+        (qk, sk), (qv, sv) = quantize(k.float() - self.k_center), quantize(v)
         self.k.index_copy_(0, slots, qk)
         self.k_scale.index_copy_(0, slots, sk)
         self.v.index_copy_(0, slots, qv)
@@ -94,11 +98,12 @@ class KVCache:
     Slot s of block b is row b * block_size + s, so a block is `block_size` consecutive rows and a
     flash-attn paged view ([num_blocks, block_size, kv_heads, head_dim]) is a free reshape.
     `dtype` int8 stores quantised rows plus per-token-per-head scales [layers, slots, kv_heads];
-    `compute_dtype` is what reads return (the model's dtype).
+    `compute_dtype` is what reads return (the model's dtype); `key_center` [layers, kv_heads, head_dim]
+    is what an int8 cache subtracts from every key before rounding (zeros when not given).
     """
 
     def __init__(self, spec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, key_center: torch.Tensor | None = None):
         shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -107,6 +112,8 @@ class KVCache:
         if self.quantized:
             self.k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
             self.v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+            center_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+            self.k_center = (torch.zeros(center_shape) if key_center is None else key_center.float()).to(device)
         self.layers = [LayerKV(self, i) for i in range(spec.num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.cpu_features import compute_dtype
+from engine.key_means import key_means
 from engine.loader import resolve_model_dir
 from engine.transformer import Transformer
 
@@ -56,10 +57,17 @@ class Model:
     path: Path
     hf_config: object
     weight_format: str = "full"  # full | int8
+    _key_means: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    def key_means(self) -> torch.Tensor:
+        """Each layer's mean key per KV head, which an int8 KV cache subtracts; computed at first use."""
+        if self._key_means is None:
+            self._key_means = key_means(self)
+        return self._key_means
 
 
 def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | torch.dtype | None = None,
