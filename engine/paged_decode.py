@@ -1,5 +1,5 @@
 """Single-token decode attention that reads each question's keys and values where they lie in the block
-pool, instead of gathering them into a padded batch first (CPU, fp32 and bf16 caches).
+pool, instead of gathering them into a padded batch first (CPU; fp32, bf16 and int8 caches).
 
 The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`kev bench step --profile`):
 it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
@@ -11,6 +11,10 @@ has work. Either way each query head scores every visible key of its question (i
 up to its own length), softmaxes and sums the values in fp32, in the same order whatever the task
 holds. A task never reads another question's slots and its arithmetic does not depend on which other
 rows share the step, so a row's result is the same alone or packed (the tests check both splits).
+
+An int8 cache is read as it is stored: each key's dot product with the query is multiplied by that
+key's scale, and each softmax weight by its value's scale before it weighs the int8 value, so a step
+reads a quarter of fp32's bytes and never writes a dequantised copy.
 
 The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
 extension cache under a name keyed by this source, its compiler flags and the CPU's flags, so a cache carried to another
@@ -39,7 +43,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
-// A vector of D values as fp32: bf16 is widened into a buffer, fp32 is read where it lies.
+// A vector of D values as fp32: bf16 and int8 are widened into a buffer, fp32 is read where it lies.
 template <typename T, int D>
 struct AsFloat {
   float data[D];
@@ -173,6 +177,9 @@ static inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+static inline __m512 load16(const int8_t* p) {  // exact: every int8 is an fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // acc[g * D ..] += weight[g * len + t0 + j] * value row j, for a block's `count` rows in order. The G x D
 // sums are vector variables, so they stay in registers; as a plain float array GCC kept them on the stack
@@ -235,14 +242,24 @@ static inline void score_keys(const float* query, const T* rows, const T* next, 
   }
 }
 
+// Multiplies each of a KV head's G rows of per-position weights by that position's int8 scale, in place.
+static inline void apply_scales(float* rows, const at::Half* scales, const int64_t* blocks, int64_t len,
+                                int64_t block_size, int64_t kv_heads, int64_t head, int G) {
+  for (int64_t t = 0; t < len; ++t) {
+    const float s = static_cast<float>(scales[(blocks[t / block_size] * block_size + t % block_size) * kv_heads + head]);
+    for (int g = 0; g < G; ++g) rows[g * len + t] *= s;
+  }
+}
+
 // One task: KV heads [h0, h1) of question b. Each query head's scores, softmax and weighted sum are
 // computed in the same order whichever heads share its task, so a row's bits do not depend on how the
 // step was split. D (head size) and G (query heads per KV head) are compile-time constants, so every
-// loop over D vectorises.
-template <typename T, int D, int G>
-static void decode_task(const T* q, const T* k, const T* v, const int64_t* blocks, int64_t len, T* out,
-                        int64_t b, int64_t h0, int64_t h1, int64_t heads, int64_t kv_heads, int64_t block_size,
-                        float scale, std::vector<float>& buffer) {
+// loop over D vectorises. T is the queries' and the output's type, C the cache's: T itself, or int8 with
+// one fp16 scale per position and KV head in k_scales / v_scales (nullptr otherwise).
+template <typename T, typename C, int D, int G>
+static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
+                        const int64_t* blocks, int64_t len, T* out, int64_t b, int64_t h0, int64_t h1, int64_t heads,
+                        int64_t kv_heads, int64_t block_size, float scale, std::vector<float>& buffer) {
   const int64_t n = (h1 - h0) * G;  // query heads in this task
   buffer.resize(n * (len + 2 * D + 1));
   float* query = buffer.data();      // [n, D]
@@ -251,17 +268,20 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
   float* total = scores + n * len;   // [n]
   const int64_t first_head = b * heads + h0 * G, stride = kv_heads * D;
   for (int64_t i = 0; i < n * D; ++i) query[i] = static_cast<float>(q[first_head * D + i]) * scale;
-  AsFloat<T, D> as_float;
+  AsFloat<C, D> as_float;
   // Block by block (16 positions of every KV head lie together, read once from memory, then from L1 for
   // each head), 16 keys at a time for a KV head's G query heads.
   // The keys, then the values: the first value block is fetched during the last key block.
   each_block(k, h0 * D, blocks, len, block_size, stride, v + blocks[0] * block_size * stride + h0 * D,
-             [&](int64_t t0, const T* rows, int64_t count, const T* next) {
+             [&](int64_t t0, const C* rows, int64_t count, const C* next) {
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t j = 0; j < count; j += 16)
-        score_keys<T, D, G>(query + h * G * D, rows + j * stride + h * D, next ? next + j * stride + h * D : nullptr,
+        score_keys<C, D, G>(query + h * G * D, rows + j * stride + h * D, next ? next + j * stride + h * D : nullptr,
                             stride, std::min<int64_t>(16, count - j), scores + h * G * len + t0 + j, len, as_float);
   });
+  if (k_scales != nullptr)  // q . (s k) = s (q . k): one multiply per key, not D
+    for (int64_t h = 0; h < h1 - h0; ++h)
+      apply_scales(scores + h * G * len, k_scales, blocks, len, block_size, kv_heads, h0 + h, G);
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
     const float top = lanes_max(row, len);
@@ -269,15 +289,18 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
     for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
     total[i] = lanes_sum(row, len);
   }
+  if (v_scales != nullptr)  // the weights, not yet normalised, carry each value's scale
+    for (int64_t h = 0; h < h1 - h0; ++h)
+      apply_scales(scores + h * G * len, v_scales, blocks, len, block_size, kv_heads, h0 + h, G);
   std::fill(acc, acc + n * D, 0.f);
   // A KV head's G x D sums stay in registers over a block; each still adds positions in order.
-  each_block(v, h0 * D, blocks, len, block_size, stride, static_cast<const T*>(nullptr),
-             [&](int64_t t0, const T* rows, int64_t count, const T* next) {
+  each_block(v, h0 * D, blocks, len, block_size, stride, static_cast<const C*>(nullptr),
+             [&](int64_t t0, const C* rows, int64_t count, const C* next) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       float* a = acc + h * G * D;
 #if defined(__AVX512F__)
       if constexpr (D % 16 == 0) {
-        add_values<T, D, G>(rows + h * D, next ? next + h * D : nullptr, stride, count, scores + h * G * len, len,
+        add_values<C, D, G>(rows + h * D, next ? next + h * D : nullptr, stride, count, scores + h * G * len, len,
                             t0, a);
         continue;
       }
@@ -286,7 +309,7 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) sum[g][d] = a[g * D + d];
       for (int64_t j = 0; j < count; ++j) {
-        fetch_row<T, D>(next ? next + j * stride + h * D : nullptr);
+        fetch_row<C, D>(next ? next + j * stride + h * D : nullptr);
         const float* value = as_float(rows + j * stride + h * D);
         for (int g = 0; g < G; ++g) {
           const float p = scores[(h * G + g) * len + t0 + j];
@@ -305,10 +328,10 @@ static void decode_task(const T* q, const T* k, const T* v, const int64_t* block
 // Tasks are handed out one at a time (rows differ in length, so equal shares of rows are not equal
 // shares of work). With enough rows a task is a whole question, which reads its slots in order; with
 // few, each KV head is its own task so every thread has work.
-template <typename T, int D, int G>
-static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lengths, T* out,
-                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t max_blocks, int64_t block_size,
-                        float scale) {
+template <typename T, typename C, int D, int G>
+static void decode_rows(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
+                        const int64_t* table, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
+                        int64_t kv_heads, int64_t max_blocks, int64_t block_size, float scale) {
   const int64_t threads = at::get_num_threads();
   const int64_t per_task = batch >= 4 * threads ? kv_heads : 1;
   const int64_t tasks = batch * (kv_heads / per_task);
@@ -317,19 +340,20 @@ static void decode_rows(const T* q, const T* k, const T* v, const int64_t* table
     std::vector<float> buffer;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t b = task / (kv_heads / per_task), h0 = task % (kv_heads / per_task) * per_task;
-      decode_task<T, D, G>(q, k, v, table + b * max_blocks, lengths[b], out, b, h0, h0 + per_task, heads, kv_heads,
-                           block_size, scale, buffer);
+      decode_task<T, C, D, G>(q, k, v, k_scales, v_scales, table + b * max_blocks, lengths[b], out, b, h0,
+                              h0 + per_task, heads, kv_heads, block_size, scale, buffer);
     }
   });
 }
 
-template <typename T>
-static bool dispatch(const T* q, const T* k, const T* v, const int64_t* table, const int64_t* lengths, T* out,
-                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                     int64_t block_size, float scale) {
+template <typename T, typename C>
+static bool dispatch(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
+                     const int64_t* table, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int64_t max_blocks, int64_t block_size, float scale) {
 #define KEV_CASE(DIM, GROUP)                                                                           \
   if (dim == DIM && heads == GROUP * kv_heads) {                                                       \
-    decode_rows<T, DIM, GROUP>(q, k, v, table, lengths, out, batch, heads, kv_heads, max_blocks, block_size, scale); \
+    decode_rows<T, C, DIM, GROUP>(q, k, v, k_scales, v_scales, table, lengths, out, batch, heads, kv_heads,   \
+                                  max_blocks, block_size, scale);                                      \
     return true;                                                                                       \
   }
 #define KEV_DIM(DIM) KEV_CASE(DIM, 1) KEV_CASE(DIM, 2) KEV_CASE(DIM, 3) KEV_CASE(DIM, 4) KEV_CASE(DIM, 8)
@@ -339,14 +363,23 @@ static bool dispatch(const T* q, const T* k, const T* v, const int64_t* table, c
   return false;
 }
 
+// k_scales, v_scales: [slots, KVH] fp16, for an int8 cache only.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
-                           torch::Tensor lengths, int64_t block_size, double scale) {
+                           torch::Tensor lengths, int64_t block_size, double scale,
+                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
               lengths.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == q.size(2),
               "paged_decode: q [B, H, D], k and v [slots, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type());
+  const bool int8 = k.scalar_type() == at::ScalarType::Char;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && (int8 || k.scalar_type() == q.scalar_type()),
+              "paged_decode: k and v of q's dtype, or int8");
+  TORCH_CHECK(int8 == (k_scales.has_value() && v_scales.has_value()), "paged_decode: an int8 cache needs its scales");
+  if (int8)
+    for (const auto& s : {*k_scales, *v_scales})
+      TORCH_CHECK(s.scalar_type() == at::ScalarType::Half && s.is_contiguous() && s.dim() == 2 &&
+                  s.size(0) == k.size(0) && s.size(1) == k.size(1), "paged_decode: scales [slots, KVH], fp16");
   TORCH_CHECK(table.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong && table.dim() == 2 &&
               lengths.dim() == 1 && table.size(0) == q.size(0) && lengths.size(0) == q.size(0),
               "paged_decode: table [B, blocks] and lengths [B], int64");
@@ -367,13 +400,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   auto out = torch::empty_like(q);
   bool done = false;
   pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
-  auto launch = [&](auto zero) {
+  const at::Half* k_scales_p = int8 ? k_scales->data_ptr<at::Half>() : nullptr;
+  const at::Half* v_scales_p = int8 ? v_scales->data_ptr<at::Half>() : nullptr;
+  auto launch = [&](auto zero, auto cache_zero) {
     using T = decltype(zero);
-    done = dispatch<T>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), table_p, lengths_p, out.data_ptr<T>(),
-                       q.size(0), q.size(1), k.size(1), q.size(2), width, block_size, static_cast<float>(scale));
+    using C = decltype(cache_zero);
+    done = dispatch<T, C>(q.data_ptr<T>(), k.data_ptr<C>(), v.data_ptr<C>(), k_scales_p, v_scales_p, table_p,
+                          lengths_p, out.data_ptr<T>(), q.size(0), q.size(1), k.size(1), q.size(2), width, block_size,
+                          static_cast<float>(scale));
   };
-  if (q.scalar_type() == at::ScalarType::Float) launch(float{});
-  else if (q.scalar_type() == at::ScalarType::BFloat16) launch(c10::BFloat16{});
+  if (q.scalar_type() == at::ScalarType::Float) int8 ? launch(float{}, int8_t{}) : launch(float{}, float{});
+  else if (q.scalar_type() == at::ScalarType::BFloat16)
+    int8 ? launch(c10::BFloat16{}, int8_t{}) : launch(c10::BFloat16{}, c10::BFloat16{});
   TORCH_CHECK(done, "paged_decode: no kernel for head size ", q.size(2), " with ", q.size(1), " heads over ",
               k.size(1), " KV heads");
   return out;
@@ -448,9 +486,10 @@ GROUPS = (1, 2, 3, 4, 8)
 
 
 def usable(kv) -> bool:
-    """Whether decodes over this cache can take the kernel: CPU, an fp32 or bf16 cache (not int8), a
-    compiled head shape."""
-    return (kv.k.device.type == "cpu" and not kv.quantized and kv.k.dtype in (torch.float32, torch.bfloat16)
+    """Whether decodes over this cache can take the kernel: CPU, fp32 or bf16 queries over a cache of
+    their dtype or int8, a compiled head shape."""
+    return (kv.k.device.type == "cpu" and kv.compute_dtype in (torch.float32, torch.bfloat16)
+            and (kv.quantized or kv.k.dtype == kv.compute_dtype)
             and kv.k.shape[-1] in HEAD_SIZES and kv.group in GROUPS and kernel() is not None)
 
 
@@ -469,7 +508,9 @@ class PagedDecodes:
 
     def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
         """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
-        args = (q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size, q.shape[-1] ** -0.5)
+        scales = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
+        args = (q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size, q.shape[-1] ** -0.5,
+                *scales)
         if not torch.autograd._profiler_enabled():  # a record_function costs ~8 us even with no profiler
             return self.op(*args)
         with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`

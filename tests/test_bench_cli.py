@@ -51,3 +51,15 @@ def test_bench_step_times_full_decode_steps_against_the_matmul_floor(tiny_model_
         kv_read.append(kv_ms)
     assert 3 < kv_read[1] / kv_read[0] < 5  # 4 rows of the same context read ~4x the cache bytes of 1
     assert "aten::" in out  # --profile: the largest batch's operators
+
+
+def test_bench_step_with_an_int8_cache_reads_fewer_kv_bytes(tiny_model_dir, capsys):
+    kv_ms = {}
+    for kv_dtype in ("auto", "int8"):
+        assert main(["bench", "step", "--model", str(tiny_model_dir), "--batch-sizes", "2", "--context", "40",
+                     "--steps", "3", "--threads", "2", "--kv-dtype", kv_dtype]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+        kv_ms[kv_dtype] = float(row.split("|")[5])
+    assert "int8 KV" in out
+    assert kv_ms["auto"] > 2.5 * kv_ms["int8"]  # int8 rows and their scales: ~a quarter of fp32's bytes

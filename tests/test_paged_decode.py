@@ -1,7 +1,8 @@
 """The CPU decode kernel (engine/paged_decode.py) reads each question's keys where they lie in the pool.
 
 It must give SDPA's answer, the same bits alone or packed, and never read a slot the question has not
-written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here. A step with few
+written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here. Caches: fp32, bf16,
+and int8 (with fp32 or bf16 queries), which the kernel reads as stored, scales applied per position. A step with few
 rows gives each KV head its own task, one with many rows (4 per thread) gives each question one task:
 the tests run both.
 """
@@ -27,12 +28,22 @@ def _many(lengths: list[int]) -> list[int]:
     return (lengths * rows)[:max(rows, len(lengths))]
 
 
-def _setup(dtype, lengths, seed=0, spec=SPEC):
+# cache -> (storage dtype, query dtype, tolerance against SDPA)
+CACHES = {"fp32": (torch.float32, torch.float32, 1e-5), "bf16": (torch.bfloat16, torch.bfloat16, 2e-2),
+          "int8": (torch.int8, torch.float32, 1e-5), "int8-bf16": (torch.int8, torch.bfloat16, 2e-2)}
+
+
+def _setup(cache, lengths, seed=0, spec=SPEC):
     gen = torch.Generator().manual_seed(seed)
     blocks = sum(-(-length // BLOCK) for length in lengths) + 8
-    kv = KVCache(spec, blocks, BLOCK, dtype, torch.device("cpu"))
-    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    storage, dtype, _ = CACHES[cache]
+    kv = KVCache(spec, blocks, BLOCK, storage, torch.device("cpu"), dtype)
+    keys, values = (torch.randn(kv.k.shape, generator=gen) for _ in range(2))
+    if kv.quantized:  # through the cache's own write: int8 rows and their scales
+        kv.layers[0].write(torch.arange(kv.k.shape[1]), keys[0], values[0])
+    else:
+        kv.k.copy_(keys)
+        kv.v.copy_(values)
     free = torch.randperm(blocks, generator=gen).tolist()
     segments = []
     for row, length in enumerate(lengths):
@@ -43,10 +54,11 @@ def _setup(dtype, lengths, seed=0, spec=SPEC):
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance, many):
+@pytest.mark.parametrize("cache", CACHES)
+def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(cache, many):
     lengths = [1, 7, 16, 17, 130, 300, 45]
-    kv, segments, q = _setup(dtype, _many(lengths) if many else lengths[:3])
+    kv, segments, q = _setup(cache, _many(lengths) if many else lengths[:3])
+    tolerance = CACHES[cache][2]
     layer = kv.layers[0]
     paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
@@ -54,21 +66,22 @@ def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(dtype, tolerance, m
 
 
 @pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (128, 4), (128, 8)])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_other_head_sizes_and_groups_give_sdpa_s_answer(dtype, tolerance, head_dim, group):
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+def test_other_head_sizes_and_groups_give_sdpa_s_answer(cache, head_dim, group):
     """Every head size and query heads per KV head the kernel takes (the tests above: 64 and 3)."""
     spec = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=head_dim, num_heads=2 * group)
-    kv, segments, q = _setup(dtype, _many([1, 16, 17, 130, 45]), spec=spec)
+    kv, segments, q = _setup(cache, _many([1, 16, 17, 130, 45]), spec=spec)
+    tolerance = CACHES[cache][2]
     layer = kv.layers[0]
     paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_bits_alone_or_packed(dtype):
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_row_is_the_same_bits_alone_or_packed(cache):
     # Alone, a row's KV heads are separate tasks; packed with many rows, its question is one task.
-    kv, segments, q = _setup(dtype, _many([5, 33, 200, 64, 129, 16, 1]))
+    kv, segments, q = _setup(cache, _many([5, 33, 200, 64, 129, 16, 1]))
     layer = kv.layers[0]
     packed = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     for row, seg in enumerate(segments):
@@ -78,40 +91,41 @@ def test_a_row_is_the_same_bits_alone_or_packed(dtype):
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
-def test_a_question_never_reads_a_slot_it_has_not_written(many):
-    kv, segments, q = _setup(torch.float32, _many([3, 40, 100, 32]) if many else [3, 40, 100])
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_a_question_never_reads_a_slot_it_has_not_written(cache, many):
+    kv, segments, q = _setup(cache, _many([3, 40, 100, 32]) if many else [3, 40, 100])
     layer = kv.layers[0]
     before = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     owned = torch.zeros(kv.k.shape[1], dtype=torch.bool)
     for seg in segments:
         for pos in range(seg.kv_len):
             owned[seg.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK] = True
-    kv.k[0][~owned] = float("nan")  # every other question's slots, and each block's unwritten tail
-    kv.v[0][~owned] = float("nan")
+    # Every other question's slots, and each block's unwritten tail (an int8 cache: their scales).
+    for rows in (kv.k_scale, kv.v_scale) if kv.quantized else (kv.k, kv.v):
+        rows[0][~owned] = float("nan")
     after = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
     assert torch.equal(before, after)
 
 
-def test_cpu_decodes_take_the_kernel_and_int8_caches_do_not():
-    kv, segments, _ = _setup(torch.float32, [10, 20])
-    step = TorchAttention(kv).prepare(segments)
-    assert isinstance(step.decode, paged_decode.PagedDecodes)
-    int8 = KVCache(SPEC, 64, BLOCK, torch.int8, torch.device("cpu"))
-    assert not paged_decode.usable(int8)
-    assert isinstance(TorchAttention(int8).prepare(segments).decode, _DecodeGroups)
+@pytest.mark.parametrize("cache", CACHES)
+def test_cpu_decodes_take_the_kernel(cache):
+    kv, segments, _ = _setup(cache, [10, 20])
+    assert isinstance(TorchAttention(kv).prepare(segments).decode, paged_decode.PagedDecodes)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(dtype, tolerance):
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(cache):
     # Built here without AVX-512 (the 16-keys-at-once fold is AVX-512 only): what an AVX2 machine runs.
     portable = paged_decode.compiled((*paged_decode._CFLAGS, "-mno-avx512f"))
     assert portable is not None
-    kv, segments, q = _setup(dtype, _many([1, 16, 17, 130, 300, 45]))
-    layer, cpu = kv.layers[0], torch.device("cpu")
+    kv, segments, q = _setup(cache, _many([1, 16, 17, 130, 300, 45]))
+    layer, cpu, tolerance = kv.layers[0], torch.device("cpu"), CACHES[cache][2]
+    scales = (layer.k_scale, layer.v_scale) if kv.quantized else (None, None)
 
     def attend(op, segs, queries):
         step = paged_decode.PagedDecodes(segs, BLOCK, cpu)
-        return op(queries.contiguous(), layer.k, layer.v, step.table, step.lengths, BLOCK, SPEC.head_dim ** -0.5)
+        return op(queries.contiguous(), layer.k, layer.v, step.table, step.lengths, BLOCK, SPEC.head_dim ** -0.5,
+                  *scales)
 
     packed = attend(portable, segments, q)
     torch.testing.assert_close(packed.float(), attend(paged_decode.kernel(), segments, q).float(),

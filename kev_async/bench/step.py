@@ -35,6 +35,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
                                                               "(default 400)")
     step.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
     step.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model's load default)")
+    step.add_argument("--kv-dtype", default="auto", choices=("auto", "int8"),
+                      help="KV cache precision: auto (the model's dtype) or int8 (default auto)")
     step.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
     step.add_argument("--profile", action="store_true", help="torch.profiler over the largest batch's steps")
     step.set_defaults(func=_cli)
@@ -46,18 +48,19 @@ def _cli(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype)
-    bench_step(model, args.batch_sizes, context=args.context, steps=args.steps, profile=args.profile)
+    bench_step(model, args.batch_sizes, context=args.context, steps=args.steps, profile=args.profile,
+               kv_dtype=args.kv_dtype)
     return 0
 
 
 def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int = 20, profile: bool = False,
-               out=print) -> list[dict]:
+               kv_dtype: str = "auto", out=print) -> list[dict]:
     import torch
 
     rows = []
     bandwidth = _read_bandwidth()
     for batch in batch_sizes:
-        core, sequences = _prefilled_core(model, batch, context, steps)
+        core, sequences = _prefilled_core(model, batch, context, steps, kv_dtype)
         # The median timed step's context: the rows' tokens now plus the warm-up and half the timed steps.
         kv_tokens = sum(seq.num_tokens for seq in sequences) + batch * (2 + steps // 2)
         kv_s = kv_tokens * model.spec.kv_bytes_per_token(core.kv.k.dtype) / bandwidth
@@ -69,7 +72,7 @@ def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int 
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 _decode_steps(core, batch, min(steps, 10))
             out(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
-    _report(rows, model, context, steps, bandwidth, out)
+    _report(rows, model, context, steps, bandwidth, kv_dtype, out)
     return rows
 
 
@@ -87,21 +90,23 @@ def _read_bandwidth() -> float:
     return buffer.numel() * buffer.element_size() / statistics.median(times[1:])
 
 
-def _prefilled_core(model, batch: int, context: int, steps: int):
+def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str = "auto"):
     """An engine holding `batch` questions of `context` random tokens, every one past its prefill."""
     import torch
 
     from engine import EngineOptions
     from engine.core import EngineCore
+    from engine.kv_cache import cache_dtype
     from schemas import Params, QuestionEvent
 
-    options = EngineOptions(max_batch_size=batch, batch_window_ms=0)
+    options = EngineOptions(max_batch_size=batch, batch_window_ms=0, kv_dtype=kv_dtype)
     # Rows prefilled early decode while later ones prefill: leave room for those tokens too.
     prefill_steps = -(-batch * context // options.max_tokens_per_step) + 2
     new_tokens = prefill_steps + 3 * steps + 8  # prefill, warm-up, timed and profiled steps
     budget = context + new_tokens
     options = dataclasses.replace(options, max_context=budget + 16,
-                                  kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(model.dtype))
+                                  kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(
+                                      cache_dtype(kv_dtype, model.dtype)))
     core = EngineCore(model, options)
     core.stop_token_ids = ()  # every row decodes for all timed steps
     ids = torch.randint(100, model.spec.vocab_size - 100, (batch, context), generator=torch.Generator().manual_seed(0))
@@ -154,11 +159,12 @@ def _gemm_floor(weights, batch: int, dtype, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float, out) -> None:
+def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float, kv_dtype: str, out) -> None:
     import torch
 
     dtype = str(model.dtype).removeprefix("torch.")
-    out(f"model {model.name} ({dtype}, {model.weight_format} weights), {torch.get_num_threads()} threads, every "
+    kv = "int8" if kv_dtype == "int8" else dtype
+    out(f"model {model.name} ({dtype}, {model.weight_format} weights, {kv} KV), {torch.get_num_threads()} threads, every "
         f"row at ~{context} tokens of context, median of {steps} decode steps; memory read {bandwidth / 1e9:.1f} GB/s")
     out("| batch | decode step ms | weight matmuls alone ms | step / matmuls | KV read ms | step / (matmuls + KV read) "
         "| tokens/s |\n|---:|---:|---:|---:|---:|---:|---:|")
