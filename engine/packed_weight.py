@@ -16,8 +16,9 @@ alternating on one engine: packed 0.89x at 3 rows, 1.16x at 4, 1.21x at 16, 1.16
 1.02x at 96. So an fp32 matrix keeps its plain copy too (twice the weight memory; `core.pack_fp32:
 false` declines the packed one) and `linear` picks by row count: PACKED_FP32_ROWS packed, the rest
 plain. The two kernels round differently, so a row's last bits depend on how many rows share the step
-(default mode promises equal greedy tokens, not bits); deterministic mode multiplies the plain copy in
-its fixed tiles, as before.
+(default mode promises equal greedy tokens, not bits). Deterministic mode multiplies the packed copy in
+one call over whole 16-row tiles where its start-up check shows the kernel keeps a tile's bits at any
+row count, else the plain copy in batched tiles (engine/tiles.py).
 """
 
 from __future__ import annotations
@@ -52,4 +53,8 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.plain is not None and x.shape[0] not in PACKED_FP32_ROWS:
             return F.linear(x, self.plain, bias)
+        return self.packed_linear(x, bias)
+
+    def packed_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed kernel at any row count."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")

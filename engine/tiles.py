@@ -7,6 +7,13 @@ lets the row count reach the library: rows are padded to whole tiles of ROW_TILE
 batch of independent (ROW_TILE x K) @ (K x N) products, one shape per weight matrix whatever the
 batch. `TileCheck` proves this on the running CPU and thread count before an engine relies on it;
 a shape that fails the check is computed one tile per call, which is invariant by definition.
+
+fp32 weights with a packed (oneDNN) copy go further where the check allows: oneDNN's packed fp32 kernel
+gave every 16-row tile the same bits alone and inside one call of 32 to 2,048 rows on the CPUs tried,
+and one call of 512 rows is 1.5x faster than 32 batched tiles. So such a weight multiplies all rows,
+padded to whole tiles, in one call (chunks of at most the largest row count checked), if
+`TileCheck` finds a probe tile's bits unchanged at the start, middle and end of calls of every row
+count in ONE_CALL_ROWS on this CPU and thread count; otherwise it takes the batched tiles above.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ log = structlog.get_logger("kev.tiles")
 
 ROW_TILE = 16  # rows of every deterministic matmul tile
 _LOOPED: set[tuple] = set()  # shapes whose batched tiles failed the check here: one call per tile
+# Row counts a packed fp32 weight's one call is checked at; an output head (vocabulary-wide) stops at
+# 256 rows: only the rows that draw a token reach it, and its check is the costly one.
+ONE_CALL_ROWS = (32, 48, 64, 128, 256, 512, 1024, 2048)
+HEAD_ROWS = 256
+_ONE_CALL: dict[tuple, int] = {}  # (shape, threads) -> the most rows per call checked here
 
 
 def pad_rows(x: torch.Tensor, multiple: int, fill=0) -> torch.Tensor:
@@ -42,6 +54,11 @@ def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in fixed row tiles (deterministic mode)."""
+    most = _ONE_CALL.get(_one_call_key(weight)) if isinstance(weight, PackedWeight) else None
+    if most is not None:
+        rows = pad_rows(x, ROW_TILE)
+        out = torch.cat([weight.packed_linear(part) for part in rows.split(most)])[: x.shape[0]]
+        return out + bias if bias is not None else out
     weight = tile_matrix(weight)
     if not isinstance(weight, torch.Tensor):
         # Int8 and packed kernels take no batch of tiles: one call per tile, each of the same shape.
@@ -52,8 +69,8 @@ def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> t
 
 
 def tile_matrix(weight):
-    """What deterministic mode multiplies: an fp32 packed weight's plain copy (batched tiles of one shape
-    beat one call per tile), otherwise the weight itself."""
+    """What deterministic mode tiles: an fp32 packed weight's plain copy (when its one call was declined,
+    batched tiles of one shape beat one packed call per tile), otherwise the weight itself."""
     if isinstance(weight, PackedWeight) and weight.plain is not None:
         return weight.plain
     return weight
@@ -61,6 +78,10 @@ def tile_matrix(weight):
 
 def _key(right: torch.Tensor) -> tuple:
     return (tuple(right.shape), tuple(right.stride()), right.dtype)
+
+
+def _one_call_key(weight: PackedWeight) -> tuple:
+    return (tuple(weight.shape), weight.dtype, torch.get_num_threads())
 
 
 class TileCheck:
@@ -75,11 +96,28 @@ class TileCheck:
 
     @classmethod
     def weights(cls, matrices: list) -> None:
-        for weight in map(tile_matrix, matrices):
+        for matrix in matrices:
+            if isinstance(matrix, PackedWeight) and matrix.plain is not None and cls.one_call(matrix):
+                continue
+            weight = tile_matrix(matrix)
             if isinstance(weight, torch.Tensor):
                 cls.right(weight.t())
             else:
                 cls.per_call(weight)
+
+    @classmethod
+    def one_call(cls, weight: PackedWeight) -> bool:
+        """Whether an fp32 packed weight multiplies all of a step's rows in one call here (checked once)."""
+        key = _one_call_key(weight)
+        if ("one call",) + key not in cls._done:
+            cls._done.add(("one call",) + key)
+            most = HEAD_ROWS if weight.shape[0] > 16384 else ONE_CALL_ROWS[-1]
+            if _one_call_invariant(weight, [m for m in ONE_CALL_ROWS if m <= most]):
+                _ONE_CALL[key] = most
+            else:
+                log.info("deterministic.one_call_declined", shape=list(weight.shape), threads=key[-1],
+                         reason="a tile's bits moved with the row count; batched tiles instead")
+        return key in _ONE_CALL
 
     @classmethod
     def per_call(cls, weight: Int8Weight | PackedWeight) -> None:
@@ -121,6 +159,24 @@ def _per_call_invariant(weight: Int8Weight | PackedWeight) -> bool:
     mixed = torch.cat([tile[:3], others[3:]])
     return (torch.equal(weight.linear(tile[order]), alone[order])
             and torch.equal(weight.linear(mixed)[:3], alone[:3]))
+
+
+def _one_call_invariant(weight: PackedWeight, row_counts: list[int]) -> bool:
+    """A probe tile alone, then at the start, middle and end of one call of each row count (the other
+    rows random), then with its rows reordered: the same bits every time."""
+    generator = torch.Generator().manual_seed(3)
+    probe = torch.randn(ROW_TILE, weight.shape[1], generator=generator)
+    alone = weight.packed_linear(probe)
+    order = torch.randperm(ROW_TILE, generator=generator)
+    if not torch.equal(weight.packed_linear(probe[order]), alone[order]):
+        return False
+    for rows in row_counts:
+        batch = torch.randn(rows, weight.shape[1], generator=generator)
+        for start in sorted({0, rows // 2 // ROW_TILE * ROW_TILE, rows - ROW_TILE}):
+            batch[start:start + ROW_TILE] = probe
+            if not torch.equal(weight.packed_linear(batch)[start:start + ROW_TILE], alone):
+                return False
+    return True
 
 
 def check_items(rows: int, inner: int, cols: int, dtype: torch.dtype) -> bool:

@@ -25,6 +25,15 @@ def batch_with_victim(harness, count: int, seed: int) -> list:
     return others
 
 
+def decline_one_call(monkeypatch) -> None:
+    """As if packed fp32 weights had failed the one-call check on this CPU."""
+    from engine import tiles
+
+    monkeypatch.setattr(tiles, "_one_call_invariant", lambda weight, row_counts: False)
+    monkeypatch.setattr(tiles, "_ONE_CALL", {})
+    monkeypatch.setattr(tiles.TileCheck, "_done", set())
+
+
 def deterministic(harness, **overrides):
     return harness.tiny_options(deterministic=True, **overrides)
 
@@ -145,6 +154,7 @@ def test_one_call_per_tile_fallback_is_bitwise_too(tiny_models, harness, monkeyp
     model = tiny_models["llama"].kev
     monkeypatch.setattr(tiles, "_key", lambda right: ("every shape",))
     monkeypatch.setattr(tiles, "_LOOPED", {("every shape",)})
+    decline_one_call(monkeypatch)  # packed fp32 weights too
     solo = harness.run_core(model, [victim(harness)], deterministic(harness)).logits["victim"]
     packed = harness.run_core(model, batch_with_victim(harness, 5, 23), deterministic(harness)).logits["victim"]
     assert_bitwise(solo, packed)
@@ -179,3 +189,33 @@ def test_seeded_sampling_is_bitwise_and_same_text(tiny_models, harness):
     packed = harness.run_core(model, others[:3] + [sampled] + others[3:], deterministic(harness))
     assert packed.tokens("victim") == solo.tokens("victim")
     assert_bitwise(solo.logits["victim"], packed.logits["victim"])
+
+
+def test_a_row_of_a_packed_fp32_matmul_has_one_value_at_every_row_count():
+    """fp32 weights with a packed copy take one oneDNN call over all rows where the start-up check
+    allows it (else batched tiles): either way a row's bits must not move with how many rows share it."""
+    from engine.packed_weight import PackedWeight, can_pack
+    from engine.tiles import TileCheck, tiled_linear
+
+    if not can_pack(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN packed kernels in this torch build")
+    generator = torch.Generator().manual_seed(5)
+    weight = PackedWeight(torch.randn(96, 64, generator=generator))
+    TileCheck.weights([weight])
+    rows = torch.randn(600, 64, generator=generator)
+    alone = tiled_linear(rows[:1], weight)[0]
+    for count in (1, 2, 15, 16, 17, 100, 257, 600):
+        assert torch.equal(tiled_linear(rows[:count], weight)[0], alone), count
+    assert torch.equal(tiled_linear(rows[590:600], weight)[9], tiled_linear(rows, weight)[599])
+
+
+def test_batched_tiles_where_one_call_is_declined_are_bitwise_too(tiny_models, harness, monkeypatch):
+    """Where a packed fp32 weight's one call fails the check, deterministic mode uses batched tiles."""
+    from engine import tiles
+
+    decline_one_call(monkeypatch)
+    model = tiny_models["llama"].kev
+    solo = harness.run_core(model, [victim(harness)], deterministic(harness)).logits["victim"]
+    assert not tiles._ONE_CALL
+    packed = harness.run_core(model, batch_with_victim(harness, 5, 23), deterministic(harness)).logits["victim"]
+    assert_bitwise(solo, packed)
