@@ -9,11 +9,12 @@ batch. `TileCheck` proves this on the running CPU and thread count before an eng
 a shape that fails the check is computed one tile per call, which is invariant by definition.
 
 fp32 weights with a packed (oneDNN) copy go further where the check allows: oneDNN's packed fp32 kernel
-gave every 16-row tile the same bits alone and inside one call of 32 to 2,048 rows on the CPUs tried,
-and one call of 512 rows is 1.5x faster than 32 batched tiles. So such a weight multiplies all rows,
-padded to whole tiles, in one call (chunks of at most the largest row count checked), if
-`TileCheck` finds a probe tile's bits unchanged at the start, middle and end of calls of every row
-count in ONE_CALL_ROWS on this CPU and thread count; otherwise it takes the batched tiles above.
+gave every 16-row tile the same bits alone and inside one call of 32 to 2,048 rows on the Intel Xeon
+it was measured on, and one call of 512 rows is 1.5x faster than 32 batched tiles. So such a weight
+multiplies a step's rows, padded to whole tiles, in a few calls whose row counts come from
+ONE_CALL_ROWS (largest first), if `TileCheck` finds a probe tile's bits unchanged in every tile of a
+call made of probe copies and at the start, middle and end of a call of random rows, at each of those
+row counts, on this CPU and thread count; otherwise it takes the batched tiles above.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ log = structlog.get_logger("kev.tiles")
 
 ROW_TILE = 16  # rows of every deterministic matmul tile
 _LOOPED: set[tuple] = set()  # shapes whose batched tiles failed the check here: one call per tile
-# Row counts a packed fp32 weight's one call is checked at; an output head (vocabulary-wide) stops at
-# 256 rows: only the rows that draw a token reach it, and its check is the costly one.
-ONE_CALL_ROWS = (32, 48, 64, 128, 256, 512, 1024, 2048)
-HEAD_ROWS = 256
-_ONE_CALL: dict[tuple, int] = {}  # (shape, threads) -> the most rows per call checked here
+# Row counts a packed fp32 weight is checked at and then only called with: a step's rows go out as a sum
+# of them, largest first (as fast as one call, measured). A count whose call would take more than
+# CHECK_MACS multiply-adds is left out (a vocabulary-wide output head stops at 128 rows).
+ONE_CALL_ROWS = (2048, 1024, 512, 256, 128, 64, 32, 16)
+CHECK_MACS = 4e9
+_ONE_CALL: dict[tuple, tuple[int, ...]] = {}  # (shape, dtype, threads) -> the row counts checked here
 
 
 def pad_rows(x: torch.Tensor, multiple: int, fill=0) -> torch.Tensor:
@@ -54,18 +56,31 @@ def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in fixed row tiles (deterministic mode)."""
-    most = _ONE_CALL.get(_one_call_key(weight)) if isinstance(weight, PackedWeight) else None
-    if most is not None:
-        rows = pad_rows(x, ROW_TILE)
-        out = torch.cat([weight.packed_linear(part) for part in rows.split(most)])[: x.shape[0]]
-        return out + bias if bias is not None else out
-    weight = tile_matrix(weight)
-    if not isinstance(weight, torch.Tensor):
-        # Int8 and packed kernels take no batch of tiles: one call per tile, each of the same shape.
-        out = torch.cat([weight.linear(tile) for tile in pad_rows(x, ROW_TILE).split(ROW_TILE)])[: x.shape[0]]
-    else:
-        out = tiled_matmul(x, weight.t())
+    if isinstance(weight, PackedWeight) and weight.plain is not None and TileCheck.one_call(weight):
+        rows = -(-x.shape[0] // ROW_TILE) * ROW_TILE
+        out = _in_parts(x, weight.packed_linear, _parts(rows, _ONE_CALL[_one_call_key(weight)]))
+    elif isinstance(tile_matrix(weight), torch.Tensor):
+        right = tile_matrix(weight).t()
+        TileCheck.right(right)  # done at start-up, unless the thread count changed since
+        out = tiled_matmul(x, right)
+    else:  # int8 and packed bf16 kernels take no batch of tiles: one call per tile, each of the same shape
+        out = _in_parts(x, weight.linear, ROW_TILE)
     return out + bias if bias is not None else out
+
+
+def _in_parts(x: torch.Tensor, multiply, parts) -> torch.Tensor:
+    """multiply() on x's rows padded to whole tiles, split into `parts` (a size or a list of sizes)."""
+    return torch.cat([multiply(part) for part in pad_rows(x, ROW_TILE).split(parts)])[: x.shape[0]]
+
+
+def _parts(rows: int, sizes: tuple[int, ...]) -> list[int]:
+    """`rows` (a multiple of ROW_TILE) as a sum of checked row counts, largest first."""
+    parts = []
+    for size in sizes:
+        while rows >= size:
+            parts.append(size)
+            rows -= size
+    return parts
 
 
 def tile_matrix(weight):
@@ -98,7 +113,7 @@ class TileCheck:
     def weights(cls, matrices: list) -> None:
         for matrix in matrices:
             if isinstance(matrix, PackedWeight) and matrix.plain is not None and cls.one_call(matrix):
-                continue
+                continue  # checked again at another thread count, when tiled_linear meets one
             weight = tile_matrix(matrix)
             if isinstance(weight, torch.Tensor):
                 cls.right(weight.t())
@@ -107,13 +122,14 @@ class TileCheck:
 
     @classmethod
     def one_call(cls, weight: PackedWeight) -> bool:
-        """Whether an fp32 packed weight multiplies all of a step's rows in one call here (checked once)."""
+        """Whether an fp32 packed weight multiplies a step's rows in few calls here (checked once per
+        shape and thread count)."""
         key = _one_call_key(weight)
         if ("one call",) + key not in cls._done:
             cls._done.add(("one call",) + key)
-            most = HEAD_ROWS if weight.shape[0] > 16384 else ONE_CALL_ROWS[-1]
-            if _one_call_invariant(weight, [m for m in ONE_CALL_ROWS if m <= most]):
-                _ONE_CALL[key] = most
+            sizes = tuple(m for m in ONE_CALL_ROWS if m == ROW_TILE or m * weight.shape[0] * weight.shape[1] <= CHECK_MACS)
+            if _one_call_invariant(weight, sizes):
+                _ONE_CALL[key] = sizes
             else:
                 log.info("deterministic.one_call_declined", shape=list(weight.shape), threads=key[-1],
                          reason="a tile's bits moved with the row count; batched tiles instead")
@@ -161,9 +177,10 @@ def _per_call_invariant(weight: Int8Weight | PackedWeight) -> bool:
             and torch.equal(weight.linear(mixed)[:3], alone[:3]))
 
 
-def _one_call_invariant(weight: PackedWeight, row_counts: list[int]) -> bool:
-    """A probe tile alone, then at the start, middle and end of one call of each row count (the other
-    rows random), then with its rows reordered: the same bits every time."""
+def _one_call_invariant(weight: PackedWeight, row_counts: tuple[int, ...]) -> bool:
+    """A probe tile alone and with its rows reordered; then, at each row count, in every tile of a call
+    of probe copies (every place) and at the start, middle and end of a call of random rows (other
+    neighbours): the same bits every time."""
     generator = torch.Generator().manual_seed(3)
     probe = torch.randn(ROW_TILE, weight.shape[1], generator=generator)
     alone = weight.packed_linear(probe)
@@ -171,11 +188,15 @@ def _one_call_invariant(weight: PackedWeight, row_counts: list[int]) -> bool:
     if not torch.equal(weight.packed_linear(probe[order]), alone[order]):
         return False
     for rows in row_counts:
+        if not torch.equal(weight.packed_linear(probe.repeat(rows // ROW_TILE, 1)), alone.repeat(rows // ROW_TILE, 1)):
+            return False
         batch = torch.randn(rows, weight.shape[1], generator=generator)
-        for start in sorted({0, rows // 2 // ROW_TILE * ROW_TILE, rows - ROW_TILE}):
+        starts = sorted({0, rows // 2 // ROW_TILE * ROW_TILE, rows - ROW_TILE})
+        for start in starts:
             batch[start:start + ROW_TILE] = probe
-            if not torch.equal(weight.packed_linear(batch)[start:start + ROW_TILE], alone):
-                return False
+        out = weight.packed_linear(batch)
+        if not all(torch.equal(out[start:start + ROW_TILE], alone) for start in starts):
+            return False
     return True
 
 

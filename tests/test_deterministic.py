@@ -191,22 +191,27 @@ def test_seeded_sampling_is_bitwise_and_same_text(tiny_models, harness):
     assert_bitwise(solo.logits["victim"], packed.logits["victim"])
 
 
-def test_a_row_of_a_packed_fp32_matmul_has_one_value_at_every_row_count():
-    """fp32 weights with a packed copy take one oneDNN call over all rows where the start-up check
-    allows it (else batched tiles): either way a row's bits must not move with how many rows share it."""
+def test_a_row_of_a_packed_fp32_matmul_has_one_value_at_every_row_count(monkeypatch):
+    """fp32 weights with a packed copy take a few oneDNN calls of checked row counts where the start-up
+    check allows it (else batched tiles): either way a row's bits must not move with how many rows share it."""
+    from engine import tiles
     from engine.packed_weight import PackedWeight, can_pack
-    from engine.tiles import TileCheck, tiled_linear
 
     if not can_pack(torch.float32, torch.device("cpu")):
         pytest.skip("no oneDNN packed kernels in this torch build")
     generator = torch.Generator().manual_seed(5)
     weight = PackedWeight(torch.randn(96, 64, generator=generator))
-    TileCheck.weights([weight])
+    one_call = tiles.TileCheck.one_call(weight)
+    calls, packed_linear = [], weight.packed_linear
+    monkeypatch.setattr(weight, "packed_linear", lambda x, bias=None: calls.append(x.shape[0]) or packed_linear(x, bias))
     rows = torch.randn(600, 64, generator=generator)
-    alone = tiled_linear(rows[:1], weight)[0]
+    alone = tiles.tiled_linear(rows[:1], weight)[0]
     for count in (1, 2, 15, 16, 17, 100, 257, 600):
-        assert torch.equal(tiled_linear(rows[:count], weight)[0], alone), count
-    assert torch.equal(tiled_linear(rows[590:600], weight)[9], tiled_linear(rows, weight)[599])
+        calls.clear()
+        assert torch.equal(tiles.tiled_linear(rows[:count], weight)[0], alone), count
+        padded = -(-count // 16) * 16
+        assert calls == (tiles._parts(padded, tiles.ONE_CALL_ROWS) if one_call else []), count
+    assert torch.equal(tiles.tiled_linear(rows[590:600], weight)[9], tiles.tiled_linear(rows, weight)[599])
 
 
 def test_batched_tiles_where_one_call_is_declined_are_bitwise_too(tiny_models, harness, monkeypatch):

@@ -124,6 +124,25 @@ def test_int8_kv_subtracts_the_models_key_means(models, harness):
     assert means.abs().max() > 0
 
 
+def test_key_means_are_the_mean_stored_key_of_the_calibration_prompt(models, harness):
+    """What key_means returns is what an fp32 cache holds for the calibration prompt, averaged: each
+    layer's keys after rotary, over the chat-templated prompt's tokens."""
+    from engine.key_means import CALIBRATION_TEXT
+    from engine.prompt import as_question, encode_prompt
+    from schemas import Params, QuestionEvent
+
+    model = models["llama", "fp32"]
+    core = EngineCore(model, harness.tiny_options())
+    core.stop_token_ids = ()  # the prompt's blocks stay held after its first token
+    ids = [i for i in encode_prompt(model.tokenizer, as_question(CALIBRATION_TEXT)) if i < model.spec.vocab_size]
+    seq = core.add(QuestionEvent(question_id="calibration", prompt="-", params=Params(max_new_tokens=4)), prompt_ids=ids)
+    while not seq.output_ids:
+        core.step()
+    slots = torch.tensor([b * core.block_size + i for b in seq.block_ids for i in range(core.block_size)][: len(ids)])
+    stored = core.kv.k[:, slots].float().mean(1)  # [layers, kv_heads, head_dim]
+    torch.testing.assert_close(stored, model.key_means(), atol=1e-5, rtol=1e-4)
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hd,thd->ht", q, keys).softmax(-1)
 
