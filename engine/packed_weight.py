@@ -17,8 +17,8 @@ alternating on one engine: packed 0.89x at 3 rows, 1.16x at 4, 1.21x at 16, 1.16
 false` declines the packed one) and `linear` picks by row count: PACKED_FP32_ROWS packed, the rest
 plain. The two kernels round differently, so a row's last bits depend on how many rows share the step
 (default mode promises equal greedy tokens, not bits). Deterministic mode multiplies the packed copy in
-one call over whole 16-row tiles where its start-up check shows the kernel keeps a tile's bits at any
-row count, else the plain copy in batched tiles (engine/tiles.py).
+calls of the row counts where its start-up check shows the kernel keeps a 16-row tile's bits, else the
+plain copy in batched tiles (engine/tiles.py).
 """
 
 from __future__ import annotations

@@ -56,13 +56,11 @@ def tiled_matmul(x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 def tiled_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in fixed row tiles (deterministic mode)."""
-    if isinstance(weight, PackedWeight) and weight.plain is not None and TileCheck.one_call(weight):
-        rows = -(-x.shape[0] // ROW_TILE) * ROW_TILE
-        out = _in_parts(x, weight.packed_linear, _parts(rows, _ONE_CALL[_one_call_key(weight)]))
+    sizes = TileCheck.one_call(weight) if isinstance(weight, PackedWeight) and weight.plain is not None else None
+    if sizes:
+        out = _in_parts(x, weight.packed_linear, _parts(x.shape[0], sizes))
     elif isinstance(tile_matrix(weight), torch.Tensor):
-        right = tile_matrix(weight).t()
-        TileCheck.right(right)  # done at start-up, unless the thread count changed since
-        out = tiled_matmul(x, right)
+        out = tiled_matmul(x, tile_matrix(weight).t())
     else:  # int8 and packed bf16 kernels take no batch of tiles: one call per tile, each of the same shape
         out = _in_parts(x, weight.linear, ROW_TILE)
     return out + bias if bias is not None else out
@@ -74,8 +72,8 @@ def _in_parts(x: torch.Tensor, multiply, parts) -> torch.Tensor:
 
 
 def _parts(rows: int, sizes: tuple[int, ...]) -> list[int]:
-    """`rows` (a multiple of ROW_TILE) as a sum of checked row counts, largest first."""
-    parts = []
+    """`rows` padded to whole tiles, as a sum of checked row counts, largest first."""
+    rows, parts = -(-rows // ROW_TILE) * ROW_TILE, []
     for size in sizes:
         while rows >= size:
             parts.append(size)
@@ -95,10 +93,6 @@ def _key(right: torch.Tensor) -> tuple:
     return (tuple(right.shape), tuple(right.stride()), right.dtype)
 
 
-def _one_call_key(weight: PackedWeight) -> tuple:
-    return (tuple(weight.shape), weight.dtype, torch.get_num_threads())
-
-
 class TileCheck:
     """Checks that a tile's result is the same alone and in batches of other tiles, on this CPU.
 
@@ -112,8 +106,9 @@ class TileCheck:
     @classmethod
     def weights(cls, matrices: list) -> None:
         for matrix in matrices:
-            if isinstance(matrix, PackedWeight) and matrix.plain is not None and cls.one_call(matrix):
-                continue  # checked again at another thread count, when tiled_linear meets one
+            if isinstance(matrix, PackedWeight) and matrix.plain is not None:
+                cls.one_call(matrix)  # at another thread count again, when tiled_linear meets one there
+                continue
             weight = tile_matrix(matrix)
             if isinstance(weight, torch.Tensor):
                 cls.right(weight.t())
@@ -121,10 +116,10 @@ class TileCheck:
                 cls.per_call(weight)
 
     @classmethod
-    def one_call(cls, weight: PackedWeight) -> bool:
-        """Whether an fp32 packed weight multiplies a step's rows in few calls here (checked once per
-        shape and thread count)."""
-        key = _one_call_key(weight)
+    def one_call(cls, weight: PackedWeight) -> tuple[int, ...] | None:
+        """The row counts an fp32 packed weight may be called with here, or None where its plain copy
+        takes batched tiles instead (checked once per shape and thread count)."""
+        key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
         if ("one call",) + key not in cls._done:
             cls._done.add(("one call",) + key)
             sizes = tuple(m for m in ONE_CALL_ROWS if m == ROW_TILE or m * weight.shape[0] * weight.shape[1] <= CHECK_MACS)
@@ -133,7 +128,8 @@ class TileCheck:
             else:
                 log.info("deterministic.one_call_declined", shape=list(weight.shape), threads=key[-1],
                          reason="a tile's bits moved with the row count; batched tiles instead")
-        return key in _ONE_CALL
+                cls.right(weight.plain.t())  # what this weight takes instead, checked like any plain matrix
+        return _ONE_CALL.get(key)
 
     @classmethod
     def per_call(cls, weight: Int8Weight | PackedWeight) -> None:
