@@ -29,6 +29,7 @@ from schemas.config import (
     SamplingConfig,
     SchedulerConfig,
     SecurityConfig,
+    TrustConfig,
     config_from_dict,
 )
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, decode_control
@@ -66,6 +67,7 @@ __all__ = [
     "SamplingConfig",
     "SchedulerConfig",
     "SecurityConfig",
+    "TrustConfig",
     "Timings",
     "UndecodableEvent",
     "Usage",

@@ -113,6 +113,26 @@ class SecurityConfig(_Section):
     ssl_keyfile: str | None = None
 
 
+class TrustConfig(_Section):
+    """Who may set the server-side fields of a question, and who may command the fleet (`kafka.trust`).
+
+    A producer is trusted for one record when the record carries an HMAC-SHA256 signature by one of
+    `keys` (headers `kev-key-id`, `kev-signature`; see schemas/signing.py). Signed questions may set
+    tenant, cache_salt, priority, reply_topic and a timeout_ms above `max_unsigned_timeout_ms`;
+    unsigned ones are served with those cleared ("clear") or refused with an error answer ("refuse").
+    Control commands are applied only when signed. Rotate by adding the new key, moving `sign_key`
+    to it on every signer, then removing the old one.
+    """
+
+    keys: dict[str, str] = {}  # key id -> secret (at least 16 characters)
+    keys_file: str | None = None  # a YAML mapping of key id -> secret, read at start, merged under `keys`
+    sign_key: str | None = None  # the key id this process signs with (gateway, demo); None = the only key
+    unsigned_questions: Literal["clear", "refuse"] = "clear"
+    max_unsigned_timeout_ms: Annotated[int, Meta(ge=1, le=86_400_000)] = 300_000
+    # Every reply_topic, signed or not, must match this (Python regex, whole name); others answer on answers_topic.
+    reply_topic_pattern: str = r"kev\.replies\.[A-Za-z0-9._-]{1,200}"
+
+
 class KafkaConfig(_Section):
     bootstrap_servers: str = "embedded"
     group_id: str = "kev"
@@ -129,6 +149,7 @@ class KafkaConfig(_Section):
     # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
     fetch_max_wait_ms: Positive = 500
     security: SecurityConfig = SecurityConfig()
+    trust: TrustConfig = TrustConfig()
 
 
 class MetricsConfig(_Section):
