@@ -31,6 +31,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def can_reorder_bf16() -> bool:
+    """oneDNN reorders bf16 weights into its blocked layout only with these (torch raises otherwise)."""
+    flags = cpu_flags()
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
 def has_fast_bf16() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 

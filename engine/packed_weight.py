@@ -26,11 +26,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_features import can_reorder_bf16
+
 PACK_ROWS_HINT = 32  # the row count oneDNN picks its blocking for; any row count works
 PACKED_FP32_ROWS = range(4, 97)  # fp32 row counts where the packed kernel was faster (see above)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    if dtype is torch.bfloat16 and not can_reorder_bf16():
+        return False  # a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT: bf16 stays in plain F.linear
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
