@@ -6,15 +6,17 @@ to the engine actor. Everything that touches Kafka runs on anyio's asyncio backe
 """
 
 from consumers.broker import EMBEDDED, BrokerStartError, EmbeddedBroker, embedded_kafka
-from consumers.control import run_control_reader
+from consumers.control import ControlGate, control_record, run_control_reader, send_control
+from consumers.control_audit import run_control_audit
 from consumers.messages import Inbound, Outbound, Partition, Position
 from consumers.offsets import OffsetRegression, OffsetTracker
-from consumers.topics import create_topics, ensure_topics, topic_plan
+from consumers.topics import create_topics, ensure_topics, topic_configs, topic_plan
 from consumers.worker import KafkaStatistics, KafkaWorker, run_kafka_io
 
 __all__ = [
     "EMBEDDED",
     "BrokerStartError",
+    "ControlGate",
     "EmbeddedBroker",
     "Inbound",
     "KafkaStatistics",
@@ -24,10 +26,14 @@ __all__ = [
     "Outbound",
     "Partition",
     "Position",
+    "control_record",
     "create_topics",
     "embedded_kafka",
     "ensure_topics",
+    "run_control_audit",
     "run_control_reader",
     "run_kafka_io",
+    "send_control",
+    "topic_configs",
     "topic_plan",
 ]

@@ -20,14 +20,20 @@ identity: `kev serve` passes it on as the command's id, so an engine that has ap
 already skips it when the topic is replayed again (the control actor restarted): replay is
 idempotent, a load is not re-applied as a new adapter version.
 
-A record that does not decode is logged (a structlog warning with its offset and reason) and
-skipped: a bad command never stops the reader.
+Only signed commands are applied: the record's value signed by a key in `kafka.trust` (purpose
+CONTROL), its key equal to `control_key(event)` (what it changes, so the compacted topic keeps the
+latest command per key). Publish with `control_record(event, signer)`. A record that is unsigned,
+forged, wrongly keyed or does not decode is logged (`control.skipped`, a structlog warning with its
+offset and reason) and skipped: a bad command never stops the reader. Dead letters for such records
+are not written here (every worker reads every record, so each would write one) but by
+`run_control_audit` (control_audit.py), once for the whole fleet.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -39,8 +45,9 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from consumers.security import client_options
-from consumers.topics import create_topics
-from schemas import ControlEvent, InvalidControl, KafkaConfig, decode_control
+from consumers.topics import COMPACTED, create_topics
+from schemas import ControlEvent, InvalidControl, KafkaConfig, control_key, decode_control, encode
+from schemas.signing import CONTROL, Signer, Verifier
 
 log = structlog.get_logger("kev.consumers.control")
 
@@ -69,10 +76,11 @@ async def run_control_reader(
         auto_offset_reset="earliest", enable_auto_commit=False,
         **client_options(cfg.security), **dict(consumer_options or {}),
     )
-    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event))
+    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event), ControlGate(cfg))
     async with out:
         if create_topic:
-            await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security)
+            await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security,
+                                configs={cfg.control_topic: COMPACTED})
         await consumer.start()
         try:
             replayed = await reader.catch_up(catch_up_timeout)
@@ -93,8 +101,9 @@ async def run_control_reader(
 
 class _ControlReader:
     def __init__(self, consumer: AIOKafkaConsumer, out: MemoryObjectSendStream[ControlEvent],
-                 poll_timeout_ms: int, wrap: Callable[[ControlEvent, int], Any]) -> None:
+                 poll_timeout_ms: int, wrap: Callable[[ControlEvent, int], Any], gate: "ControlGate") -> None:
         self.consumer, self.out, self.poll_timeout_ms, self.wrap = consumer, out, poll_timeout_ms, wrap
+        self.gate = gate
         self.sent = 0
         self.skipped = 0
         self.stale_cancels = 0  # cancels found while catching up, not sent
@@ -124,13 +133,12 @@ class _ControlReader:
                     self.sent += 1
 
     def _decode(self, record: ConsumerRecord) -> ControlEvent | None:
-        where = {"topic": record.topic, "partition": record.partition, "offset": record.offset}
-        try:
-            return decode_control(record.value if record.value is not None else b"")
-        except InvalidControl as bad:
-            log.warning("control.skipped", **where, reason=bad.reason, message=bad.message)
-        except Exception as error:  # noqa: BLE001 - a decoder bug must not stop the reader
-            log.exception("control.decode_crashed", **where, error=repr(error))
+        checked = self.gate.check(record)
+        if isinstance(checked, ControlEvent):
+            return checked
+        log.warning("control.skipped", topic=record.topic, partition=record.partition, offset=record.offset,
+                    reason=checked.reason, message=checked.message,
+                    **({"key_id": checked.key_id} if checked.key_id else {}))
         self.skipped += 1
         return None
 
@@ -143,3 +151,55 @@ class _ControlReader:
             if highwater is None or await self.consumer.position(tp) < highwater:
                 return False
         return True
+
+
+def control_record(event: ControlEvent, signer: Signer) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) of a signed command, as the control topic takes it."""
+    value = encode(event)
+    return control_key(event), value, signer.headers(value, CONTROL)
+
+
+async def send_control(producer, topic: str, event: ControlEvent, signer: Signer):
+    """Publish one signed command with a started AIOKafkaProducer and wait for its ack."""
+    key, value, headers = control_record(event, signer)
+    return await producer.send_and_wait(topic, value, key=key, headers=headers)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Why a control record is not applied; `reason` goes to the dead letter's dlq.reason header."""
+
+    reason: str  # unsigned | forged | wrong_key | decode_crashed | InvalidControl's reasons
+    message: str
+    key_id: str | None = None  # the key a forged record named
+
+
+class ControlGate:
+    """The checks a control record passes before it is applied: signature, then decoding, then key."""
+
+    def __init__(self, cfg: KafkaConfig) -> None:
+        self.verifier = Verifier.from_config(cfg.trust)
+        self.max_bytes = cfg.limits.max_control_bytes
+
+    def check(self, record: ConsumerRecord) -> ControlEvent | Rejected:
+        value = record.value if record.value is not None else b""
+        verification = self.verifier.verify(value, record.headers, CONTROL)
+        if verification.verdict == "unsigned":
+            return Rejected("unsigned", "not signed: commands must carry kev-key-id and kev-signature headers "
+                                        "by a key in kafka.trust")
+        if verification.verdict == "forged":
+            return Rejected("forged", f"the signature does not match key {verification.key_id!r}",
+                            verification.key_id)
+        try:
+            event = decode_control(value, max_bytes=self.max_bytes)
+        except InvalidControl as bad:
+            return Rejected(bad.reason, bad.message)
+        except Exception as error:  # noqa: BLE001 - a decoder bug must not stop the reader
+            log.exception("control.decode_crashed", offset=record.offset)
+            return Rejected("decode_crashed", repr(error)[:1000])
+        expected = control_key(event)
+        if record.key != expected:
+            shown = record.key[:100] if record.key is not None else None
+            return Rejected("wrong_key", f"record key {shown!r} does not name what the command changes; "
+                                         f"expected {expected!r}")
+        return event

@@ -4,6 +4,8 @@
 - InvalidQuestion → an error AnswerEvent (the asker is told why)
 - UndecodableEvent → the raw record to the DLQ with reason headers (nobody can be answered)
 - a question_id being answered or answered recently → no second answer (see ledger.py)
+- an unsigned or forged record → served with its server-side fields cleared, or refused with an
+  error answer (code "unsigned"), per kafka.trust (see trust.py)
 
 Backpressure: above the inbox's high watermark every assigned partition is paused; below the low
 watermark they resume. Paused partitions are not fetched, so memory stays bounded.
@@ -26,7 +28,15 @@ from consumers.ledger import Admission, QuestionLedger
 from consumers.messages import Inbound, Position
 from consumers.offsets import OffsetTracker
 from consumers.publisher import Publisher
-from schemas import InvalidQuestion, UndecodableEvent, decode_question, error_answer
+from consumers.trust import QuestionGate
+from schemas import (
+    InvalidQuestion,
+    LimitsConfig,
+    TrustConfig,
+    UndecodableEvent,
+    decode_question,
+    error_answer,
+)
 
 log = structlog.get_logger("kev.consumers.intake")
 
@@ -45,6 +55,8 @@ class Intake:
         *,
         max_records: int = 64,
         poll_timeout_ms: int = 100,
+        trust: TrustConfig = TrustConfig(),
+        limits: LimitsConfig = LimitsConfig(),
     ) -> None:
         self.consumer = consumer
         self.listener = listener
@@ -56,6 +68,8 @@ class Intake:
         self.watermarks = watermarks
         self.max_records = max_records
         self.poll_timeout_ms = poll_timeout_ms
+        self.gate = QuestionGate(trust)
+        self.limits = limits
         self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
 
     async def run(self) -> None:
@@ -72,6 +86,7 @@ class Intake:
         # Fetch no more than the inbox has room for, so a send rarely waits on a slow engine.
         room = max(1, min(self.max_records, self.watermarks.high - used))
         batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
+        self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
         epoch = self.listener.epoch
         for records in batch.values():
             for record in records:
@@ -85,7 +100,9 @@ class Intake:
         self.counts["records"] += 1
         bound = log.bind(partition=record.partition, offset=record.offset)
         try:
-            question = decode_question(record.value if record.value is not None else b"")
+            question = decode_question(record.value if record.value is not None else b"", limits=self.limits)
+            admitted = self.gate.admit(question, record.value, record.headers, bound)
+            question = admitted.question
         except UndecodableEvent as bad:
             bound.warning("dead_letter", reason=bad.reason, message=bad.message)
             await self.publisher.dead_letter(record.value, record.key, list(record.headers), position,
@@ -100,10 +117,18 @@ class Intake:
             await self.publisher.dead_letter(record.value, record.key, list(record.headers), position,
                                              "decode_crashed", repr(error))
         else:
-            if self._admit(question.question_id, position, bound):
+            if admitted.refused is not None:
+                await self._refuse(question, admitted.refused, position, bound)
+            elif self._admit(question.question_id, position, bound):
                 self.counts["questions"] += 1
-                inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic())
+                inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
+                                  published_ms=record.timestamp)
                 await self.questions_out.send(inbound)
+
+    async def _refuse(self, question, message: str, position: Position, bound) -> None:
+        if self._admit(question.question_id, position, bound):
+            await self.publisher.error_answer(error_answer(question.question_id, question.request_id, "unsigned",
+                                                          message), position)
 
     def _admit(self, question_id: str, position: Position, bound) -> bool:
         admission = self.ledger.admit(question_id, position)

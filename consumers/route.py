@@ -5,7 +5,9 @@ The same at-least-once rule as `kev serve`: a record's offset is committed only 
 is acked: the re-published question, or the dead letter for an event that is not a question at all.
 An invalid question (valid JSON with a bad field) is forwarded unchanged to the partition of its id:
 the worker there answers it with the error, as it would a question sent to it directly. The value,
-key and headers are kept; a `kev.route` header names the strategy.
+key and headers are kept; a `kev.route` header names the strategy. Kept headers include the
+signature (kev-key-id, kev-signature, over the value alone), so a signed question stays signed:
+routing needs no key and grants no trust.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from consumers.offsets import OffsetTracker
 from consumers.partitioner import Partitioner
 from consumers.publisher import Publisher
 from consumers.security import client_options
-from consumers.topics import create_topics, topic_plan
+from consumers.topics import create_topics, topic_configs, topic_plan
 from schemas import InvalidQuestion, KafkaConfig, UndecodableEvent, decode_question
 
 log = structlog.get_logger("kev.consumers.route")
@@ -64,7 +66,7 @@ class RouteService:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg, security = self.cfg, client_options(self.cfg.security)
         await create_topics(cfg.bootstrap_servers, {**topic_plan(cfg), self.intake_topic: cfg.partitions},
-                            cfg.security)
+                            cfg.security, configs=topic_configs(cfg))
         consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, group_id=self.group_id,
                                     enable_auto_commit=False, auto_offset_reset="earliest",
                                     **security, **self.consumer_options)
@@ -128,7 +130,7 @@ class RouteService:
         self.counts["records"] += 1
         headers = [*record.headers, (HEADER_ROUTE, self.strategy.encode())]
         try:
-            question = decode_question(record.value if record.value is not None else b"")
+            question = decode_question(record.value if record.value is not None else b"", limits=self.cfg.limits)
         except UndecodableEvent as bad:
             log.warning("dead_letter", reason=bad.reason, message=bad.message, partition=record.partition,
                         offset=record.offset)

@@ -24,7 +24,7 @@ SHORTCUTS = {
     "KEV_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
     "KEV_LOG_LEVEL": ("logging", "level"),
 }
-SECRET_KEYS = {("kafka", "security", "sasl_plain_password"), ("gateway", "api_keys")}
+SECRET_KEYS = {("kafka", "security", "sasl_plain_password"), ("kafka", "trust", "keys"), ("gateway", "api_keys")}
 _SCHEMA = mi.type_info(KevConfig)
 
 

@@ -14,7 +14,9 @@ from schemas.answers import (
     error_answer,
 )
 from schemas.config import (
+    AdaptersConfig,
     AggregatorConfig,
+    BrokerConfig,
     ConfigError,
     CoreConfig,
     DeployConfig,
@@ -23,6 +25,7 @@ from schemas.config import (
     KafkaConfig,
     KevConfig,
     KvCacheConfig,
+    LimitsConfig,
     LoggingConfig,
     MetricsConfig,
     RouterConfig,
@@ -32,7 +35,7 @@ from schemas.config import (
     TrustConfig,
     config_from_dict,
 )
-from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, decode_control
+from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
 from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
@@ -40,7 +43,9 @@ __all__ = [
     "DEFAULTS_KEYS",
     "SCHEMA_VERSION",
     "SUPPORTED_SCHEMAS",
+    "AdaptersConfig",
     "AggregatorConfig",
+    "BrokerConfig",
     "AnswerDelta",
     "AnswerEvent",
     "Audit",
@@ -58,6 +63,7 @@ __all__ = [
     "KafkaConfig",
     "KevConfig",
     "KvCacheConfig",
+    "LimitsConfig",
     "LoggingConfig",
     "Message",
     "MetricsConfig",
@@ -72,6 +78,7 @@ __all__ = [
     "UndecodableEvent",
     "Usage",
     "config_from_dict",
+    "control_key",
     "decode_answer",
     "decode_control",
     "decode_delta",

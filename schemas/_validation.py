@@ -24,6 +24,15 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=256)]
 StopStrings = Annotated[tuple[StopString, ...], Meta(max_length=16)]
 
+# Hard ceilings of the wire: the schema types enforce these whatever the config says; `kafka.limits`
+# (schemas/config.py) may only set tighter bounds. Ids are echoed on every answer, so their ceiling
+# also bounds an answer's size.
+ID_CHARS_CEILING = 256  # question_id, request_id, tenant, cache_salt, adapter name
+TOPIC_CHARS_CEILING = 249  # Kafka's own limit on a topic name
+TEXT_CHARS_CEILING = 1_000_000  # any one prompt, system prompt or message
+MESSAGES_CEILING = 4096
+EVENT_BYTES_CEILING = 8_000_000
+
 _MISSING = object()
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _PATH_PART = re.compile(r"\.([^.\[\]]+)|\[(\d+|\.\.\.)\]")  # msgspec writes a dict value as [...]

@@ -55,6 +55,9 @@ class AnswerEvent(Struct, frozen=True):
     timings: Timings = Timings()
     audit: Audit = Audit()
     schema: int = SCHEMA_VERSION
+    # True when text and token_ids were cut so the answer fits the broker's record size limit: the
+    # answer is the beginning of what was generated (usage still counts every token).
+    truncated: bool = False
 
 
 class AnswerDelta(Struct, frozen=True):

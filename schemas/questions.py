@@ -2,7 +2,9 @@
 
 `decode_question` is the one gate for untrusted input; its two exceptions split bad events into
 those that go to the dead-letter topic (`UndecodableEvent`) and those that get an error answer
-(`InvalidQuestion`).
+(`InvalidQuestion`). Every string and collection is bounded: the types hold hard ceilings
+(schemas/_validation.py), `kafka.limits` (LimitsConfig) tighter, configured ones. A question_id is
+usable for an error answer only within its ceiling, so an answer never carries an unbounded id.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas._validation import (
+    ID_CHARS_CEILING,
+    MESSAGES_CEILING,
+    TEXT_CHARS_CEILING,
+    TOPIC_CHARS_CEILING,
     MaxNewTokens,
     RepetitionPenalty,
     Seed,
@@ -23,6 +29,7 @@ from schemas._validation import (
     explain,
     show,
 )
+from schemas.config import LimitsConfig
 from schemas.wire import (
     ANY_DECODER,
     SCHEMA_VERSION,
@@ -33,14 +40,17 @@ from schemas.wire import (
     unparseable,
 )
 
-QuestionId = Annotated[str, Meta(min_length=1, max_length=256)]
+QuestionId = Annotated[str, Meta(min_length=1, max_length=ID_CHARS_CEILING)]
+Id = Annotated[str, Meta(max_length=ID_CHARS_CEILING)]  # request_id, tenant, cache_salt, adapter
+Text = Annotated[str, Meta(max_length=TEXT_CHARS_CEILING)]
+TopicName = Annotated[str, Meta(max_length=TOPIC_CHARS_CEILING)]
 Priority = Annotated[int, Meta(ge=-100, le=100)]
 TimeoutMs = Annotated[int, Meta(ge=1, le=86_400_000)]
 
 
 class Message(Struct, frozen=True):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class Params(Struct, frozen=True, omit_defaults=True):
@@ -57,18 +67,20 @@ class Params(Struct, frozen=True, omit_defaults=True):
 
 class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     question_id: QuestionId
-    prompt: str | None = None  # exactly one of prompt / messages
-    messages: tuple[Message, ...] | None = None
-    request_id: str | None = None
-    tenant: str | None = None
-    cache_salt: str | None = None  # prefix cache scope within the tenant: only equal salts share a prefix
-    system: str | None = None
+    prompt: Text | None = None  # exactly one of prompt / messages
+    messages: Annotated[tuple[Message, ...], Meta(max_length=MESSAGES_CEILING)] | None = None
+    request_id: Id | None = None
+    # tenant, cache_salt, priority, reply_topic and a timeout_ms above kafka.trust.max_unsigned_timeout_ms
+    # are server-side: honoured only from a signed record (consumers/trust.py)
+    tenant: Id | None = None
+    cache_salt: Id | None = None  # prefix cache scope within the tenant: only equal salts share a prefix
+    system: Text | None = None
     params: Params = Params()
-    adapter: str | None = None
+    adapter: Id | None = None
     priority: Priority = 0  # higher first
     timeout_ms: TimeoutMs | None = None
     stream: bool = False
-    reply_topic: str | None = None
+    reply_topic: TopicName | None = None
     schema: int = SCHEMA_VERSION
 
 
@@ -76,11 +88,17 @@ class InvalidQuestion(Exception):
     """A question we can name but not run; the asker gets an error answer."""
 
     def __init__(self, question_id: str, request_id: str | None, code: str, message: str) -> None:
+        message = message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 3] + "..."
         super().__init__(message)
         self.question_id = question_id
         self.request_id = request_id
         self.code = code  # invalid_field | empty_prompt | unsupported_schema | too_large
         self.message = message
+
+
+MAX_ERROR_CHARS = 1000  # an error message goes into an answer: never an unbounded echo of the input
+_DEFAULT_LIMITS = LimitsConfig()
+_BOUNDED_IDS = ("question_id", "request_id", "tenant", "cache_salt", "adapter")
 
 
 _QUESTION_DECODER = msgspec.json.Decoder(QuestionEvent)
@@ -97,60 +115,94 @@ _ENVELOPE_DECODER = msgspec.json.Decoder(_Envelope)
 
 
 def decode_question(
-    raw: bytes | str, *, max_bytes: int = 1_000_000, max_prompt_chars: int = 200_000
+    raw: bytes | str,
+    *,
+    limits: LimitsConfig = _DEFAULT_LIMITS,
+    max_bytes: int | None = None,  # overrides limits.max_event_bytes
+    max_prompt_chars: int | None = None,  # overrides limits.max_prompt_chars
 ) -> QuestionEvent:
-    """Decode and validate one question event; raise UndecodableEvent or InvalidQuestion."""
+    """Decode and validate one question event; raise UndecodableEvent or InvalidQuestion.
+
+    Nothing else escapes: not even JSON nested deeper than the decoder's recursion limit."""
     data = as_utf8_bytes(raw)
+    max_bytes = limits.max_event_bytes if max_bytes is None else max_bytes
     if len(data) > max_bytes:
-        _reject_oversized(data, max_bytes)
+        _reject_oversized(data, max_bytes, limits)
     try:
         question = _QUESTION_DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise _classify_failure(data, error) from None
-    _check_schema(question.schema, question.question_id, question.request_id)
-    _check_prompt(question, max_prompt_chars)
+        raise _classify_failure(data, error, limits) from None
+    except RecursionError:
+        raise _too_deep() from None
+    _check_schema(question.schema, question.question_id, _bounded(question.request_id, limits))
+    _check_bounds(question, limits)
+    _check_prompt(question, limits.max_prompt_chars if max_prompt_chars is None else max_prompt_chars)
     return question
 
 
-def _reject_oversized(data: bytes, max_bytes: int) -> None:
+def _reject_oversized(data: bytes, max_bytes: int, limits: LimitsConfig) -> None:
     # Still find the question_id if we can: an error answer beats a silent dead letter.
     message = f"event is {len(data)} bytes, at most {max_bytes} allowed"
     try:
         envelope = _ENVELOPE_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         raise UndecodableEvent("too_large", message) from None
     if not _usable_id(envelope.question_id):
         raise UndecodableEvent("too_large", message)
-    raise InvalidQuestion(envelope.question_id, _str_or_none(envelope.request_id), "too_large", message)
+    raise InvalidQuestion(envelope.question_id, _bounded(envelope.request_id, limits), "too_large", message)
 
 
-def _classify_failure(data: bytes, error: Exception) -> Exception:
+def _classify_failure(data: bytes, error: Exception, limits: LimitsConfig) -> Exception:
     """Re-read a failed event loosely to tell a dead letter from an answerable mistake."""
     try:
         tree = ANY_DECODER.decode(data)
     except msgspec.DecodeError as parse_error:
         return unparseable(data, parse_error)
+    except RecursionError:
+        return _too_deep()
     if not isinstance(tree, dict):
         return UndecodableEvent("not_object", f"expected a JSON object, got {json_kind(tree)}")
-    question_id, request_id = _address(tree)
+    question_id, request_id = _address(tree, limits)
     _check_schema(tree.get("schema", SCHEMA_VERSION), question_id, request_id)
     path, reason = explain(error, tree, QuestionEvent)
     return InvalidQuestion(question_id, request_id, "invalid_field", f"{path}: {reason}")
 
 
-def _address(tree: dict) -> tuple[str, str | None]:
+def _too_deep() -> UndecodableEvent:
+    # msgspec gives up on nesting deeper than Python's recursion limit, even inside an unknown key,
+    # and then no question_id can be read reliably: nobody to answer.
+    return UndecodableEvent("too_deep", "JSON nested too deeply to decode")
+
+
+def _address(tree: dict, limits: LimitsConfig) -> tuple[str, str | None]:
     question_id = tree.get("question_id")
     if question_id is None:
         raise UndecodableEvent("missing_question_id", "question_id: missing required field")
+    if isinstance(question_id, str) and len(question_id) > ID_CHARS_CEILING:
+        raise UndecodableEvent("unusable_question_id", f"question_id: {len(question_id)} characters, "
+                                                       f"at most {ID_CHARS_CEILING} allowed")
     if not _usable_id(question_id):
         raise UndecodableEvent(
             "missing_question_id", f"question_id: expected a non-empty string, got {show(question_id)}"
         )
-    return question_id, _str_or_none(tree.get("request_id"))
+    return question_id, _bounded(tree.get("request_id"), limits)
+
+
+def _check_bounds(question: QuestionEvent, limits: LimitsConfig) -> None:
+    """The configured bounds, tighter than the types' ceilings."""
+    request_id = _bounded(question.request_id, limits)
+    for name in _BOUNDED_IDS:
+        value = getattr(question, name)
+        if value is not None and len(value) > limits.max_id_chars:
+            raise InvalidQuestion(question.question_id, request_id, "invalid_field",
+                                  f"{name}: {len(value)} characters, at most {limits.max_id_chars} allowed")
+    if question.messages is not None and len(question.messages) > limits.max_messages:
+        raise InvalidQuestion(question.question_id, request_id, "invalid_field",
+                              f"messages: {len(question.messages)} items, at most {limits.max_messages} allowed")
 
 
 def _check_schema(schema: Any, question_id: str, request_id: str | None) -> None:
-    if isinstance(schema, bool) or schema not in SUPPORTED_SCHEMAS:
+    if isinstance(schema, (bool, list, dict)) or schema not in SUPPORTED_SCHEMAS:  # lists: unhashable
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_SCHEMAS))
         raise InvalidQuestion(
             question_id, request_id, "unsupported_schema",
@@ -181,8 +233,10 @@ def _prompt_chars(question: QuestionEvent) -> int:
 
 
 def _usable_id(value: Any) -> bool:
-    return isinstance(value, str) and value != ""
+    """An id an error answer can be addressed to: a string within the ceiling every answer relies on."""
+    return isinstance(value, str) and 0 < len(value) <= ID_CHARS_CEILING
 
 
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+def _bounded(request_id: Any, limits: LimitsConfig) -> str | None:
+    """The request_id to echo on an error answer: a string within the limit, else none at all."""
+    return request_id if isinstance(request_id, str) and len(request_id) <= limits.max_id_chars else None

@@ -19,8 +19,10 @@ class UndecodableEvent(Exception):
     """No usable question_id: nobody can be answered, so the raw event goes to the DLQ."""
 
     def __init__(self, reason: str, message: str) -> None:
+        message = message if len(message) <= 1000 else message[:997] + "..."  # it goes into a DLQ header
         super().__init__(f"{reason}: {message}")
-        self.reason = reason  # not_utf8 | not_json | not_object | missing_question_id | too_large
+        # not_utf8 | not_json | not_object | missing_question_id | unusable_question_id | too_large | too_deep
+        self.reason = reason
         self.message = message
 
 

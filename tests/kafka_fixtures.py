@@ -178,3 +178,17 @@ async def running_worker(cfg: KafkaConfig, engine: Engine | None = None, *, buff
             await worker.wait_assigned()
         yield worker
         worker.stop_intake()
+
+
+async def produce_records(bootstrap: str, topic: str,
+                          records: Iterable[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]
+                          ) -> list[tuple[int, int]]:
+    """Send each (key, value, headers) and wait for its ack; returns (partition, offset) of each."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        sent = [await producer.send_and_wait(topic, value, key=key, headers=headers)
+                for key, value, headers in records]
+    finally:
+        await producer.stop()
+    return [(meta.partition, meta.offset) for meta in sent]

@@ -4,7 +4,7 @@ sampling defaults), applied by a serving worker without a restart.
 - decoding: good commands of each action, and bad ones with the reason and message they get;
 - the engine actor: LoadAdapter / UnloadAdapter, plainly and with `ask`; a failure never ends it;
 - the control reader on the embedded broker: replays the topic from its start, reports how many it
-  replayed, skips what does not decode, goes on reading;
+  replayed, skips what is unsigned, forged, wrongly keyed or does not decode, goes on reading;
 - `serve` in process: commands already on the topic apply before the first question is taken, and
   commands published while it serves apply too; a garbage record changes nothing.
 """
@@ -19,18 +19,21 @@ import msgspec
 import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
-from kafka_fixtures import kafka_config, produce  # noqa: E402
+from kafka_fixtures import kafka_config, produce, produce_records  # noqa: E402
 from serve_fixtures import AnswerReader  # noqa: E402
 
 from schemas import (  # noqa: E402
+    AdaptersConfig,
     ControlEvent,
     InvalidControl,
     KevConfig,
     Params,
     QuestionEvent,
+    TrustConfig,
     decode_control,
     encode,
 )
+from schemas.signing import CONTROL, Signer  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
 
@@ -42,8 +45,24 @@ def anyio_backend():
     return "asyncio"  # aiokafka is asyncio-only
 
 
+TRUST = TrustConfig(keys={"ops": "a-secret-for-the-tests"})
+SIGNER = Signer.from_config(TRUST)
+
+
 def control(**fields) -> bytes:
     return msgspec.json.encode(fields)
+
+
+def signed(**fields) -> tuple[bytes, bytes, list]:
+    """A signed, keyed command record (key, value, headers), as an operator's tool publishes it."""
+    from consumers import control_record
+
+    return control_record(ControlEvent(**fields), SIGNER)
+
+
+def signed_raw(value: bytes, key: bytes | None = None, signer: Signer = SIGNER) -> tuple[bytes | None, bytes, list]:
+    """Any bytes, signed: what a trusted producer with a bug could send."""
+    return key, value, signer.headers(value, CONTROL)
 
 
 def events(logs, event: str, **fields) -> list[dict]:
@@ -184,26 +203,31 @@ async def test_engine_actor_loads_and_unloads_adapters_and_survives_bad_ones(tin
 async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_broker, logs):
     from consumers import create_topics, run_control_reader
 
-    kafka = kafka_config(kafka_broker)
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    other_key = Signer("ops", "not-the-configured-secret")
     await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
-    await produce(kafka.bootstrap_servers, kafka.control_topic, [
-        control(action="load_adapter", name="a", path="/adapters/a"),
-        b"{garbage",
-        b"",  # an empty value
-        control(action="reload"),
-        control(action="update_defaults", defaults={"temperature": 0.5}),
+    await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
+        signed(action="load_adapter", name="a", path="/adapters/a"),
+        signed_raw(b"{garbage"),
+        signed_raw(b""),  # an empty value
+        signed_raw(control(action="reload")),
+        signed(action="update_defaults", defaults={"temperature": 0.5}),
+        (b"adapter:b", control(action="load_adapter", name="b", path="/adapters/b"), []),  # unsigned
+        signed_raw(control(action="unload_adapter", name="a"), b"adapter:a", signer=other_key),
+        signed_raw(control(action="unload_adapter", name="a"), b"defaults"),  # keyed as something else
     ])
     send, receive = anyio.create_memory_object_stream[ControlEvent](16)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg, receive:
             replayed = await tg.start(run_control_reader, kafka, send)
-            assert replayed == 2
+            assert replayed == 2  # only the signed, well-keyed commands
             got = [receive.receive_nowait(), receive.receive_nowait()]  # already in the stream when ready
             assert [e.action for e in got] == ["load_adapter", "update_defaults"]
             assert got[1].defaults == {"temperature": 0.5}
 
             # Read on while serving; a second reader (another worker) sees every command too.
-            await produce(kafka.bootstrap_servers, kafka.control_topic, [control(action="unload_adapter", name="a")])
+            await produce_records(kafka.bootstrap_servers, kafka.control_topic,
+                                  [signed(action="unload_adapter", name="a")])
             assert await receive.receive() == ControlEvent(action="unload_adapter", name="a")
             other, other_receive = anyio.create_memory_object_stream[ControlEvent](16)
             async with other_receive:
@@ -211,8 +235,9 @@ async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_bro
             tg.cancel_scope.cancel()
 
     skipped = events(logs, "control.skipped", topic=kafka.control_topic)
-    assert [(e["offset"], e["reason"]) for e in skipped[:3]] == [(1, "not_json"), (2, "not_json"),
-                                                                   (3, "invalid_field")]
+    assert [(e["offset"], e["reason"]) for e in skipped[:6]] == [
+        (1, "not_json"), (2, "not_json"), (3, "invalid_field"), (5, "unsigned"), (6, "forged"), (7, "wrong_key")]
+    assert skipped[4]["key_id"] == "ops"
 
 
 @pytest.mark.kafka
@@ -245,8 +270,8 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
     from kev_async.runtime.lifecycle import Shutdown
 
     monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "3000")
-    kafka = kafka_config(kafka_broker, partitions=1)
-    cfg = KevConfig(kafka=kafka)
+    kafka = kafka_config(kafka_broker, partitions=1, trust=TRUST)
+    cfg = KevConfig(kafka=kafka, adapters=AdaptersConfig(root=str(tmp_path)))
     cfg = msgspec.structs.replace(
         cfg, core=msgspec.structs.replace(cfg.core, max_context=64, device="cpu"),
         router=msgspec.structs.replace(cfg.router, max_parallel_queries=4),
@@ -257,8 +282,8 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
     await create_topics(bootstrap, topic_plan(kafka))
 
     # On the topics before the worker starts: it applies the commands before it takes the question.
-    await produce(bootstrap, kafka.control_topic,
-                  [b"not a command", control(action="load_adapter", name=ADAPTER, path=str(path))])
+    await produce_records(bootstrap, kafka.control_topic,
+                          [signed_raw(b"not a command"), signed(action="load_adapter", name=ADAPTER, path=str(path))])
     await produce(bootstrap, kafka.questions_topic, [ask_bytes("with-adapter", ADAPTER)])
     reader = AnswerReader(bootstrap, kafka.answers_topic)
     shutdown = Shutdown(drain_deadline=20.0)
@@ -270,9 +295,9 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
                 await reader.wait_for({"with-adapter"}, 20)
 
                 # While it serves: unload, garbage, new defaults.
-                await produce(bootstrap, kafka.control_topic, [
-                    control(action="unload_adapter", name=ADAPTER), b"\xff",
-                    control(action="update_defaults", defaults={"temperature": 0.7})])
+                await produce_records(bootstrap, kafka.control_topic, [
+                    signed(action="unload_adapter", name=ADAPTER), signed_raw(b"\xff"),
+                    signed(action="update_defaults", defaults={"temperature": 0.7})])
                 await wait_event(logs, "control.applied", action="update_defaults")
                 await produce(bootstrap, kafka.questions_topic,
                               [ask_bytes("after-unload", ADAPTER), ask_bytes("after-defaults")])

@@ -6,15 +6,18 @@ from __future__ import annotations
 from functools import partial
 
 import anyio
-import msgspec
 import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures")
-from kafka_fixtures import kafka_config, produce  # noqa: E402
+from kafka_fixtures import kafka_config, produce_records  # noqa: E402
+
+from schemas import AdaptersConfig, ControlEvent, TrustConfig  # noqa: E402
+from schemas.signing import Signer  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
 pytestmark = pytest.mark.anyio
 ADAPTER = "style"
+TRUST = TrustConfig(keys={"ops": "a-secret-for-the-tests"})
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ async def test_engine_actor_applies_each_command_id_once(tiny_model, tmp_path, l
 
 @pytest.mark.kafka
 async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker, tiny_model, tmp_path, logs):
-    from consumers import create_topics
+    from consumers import control_record, create_topics
     from engine import Engine
     from kev_async.app import control_actor
     from kev_async.bench.lora import write_random_adapter
@@ -72,12 +75,13 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
     from kev_async.runtime.actors import Mailbox
     from kev_async.runtime.lifecycle import Shutdown
 
-    kafka = kafka_config(kafka_broker)
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    signer = Signer.from_config(TRUST)
     await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
-    await produce(kafka.bootstrap_servers, kafka.control_topic, [
-        msgspec.json.encode({"action": "load_adapter", "name": ADAPTER, "path": str(path)}),
-        msgspec.json.encode({"action": "update_defaults", "defaults": {"temperature": 0.3}}),
+    await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
+        control_record(ControlEvent(action="load_adapter", name=ADAPTER, path=ADAPTER), signer),  # under the root
+        control_record(ControlEvent(action="update_defaults", defaults={"temperature": 0.3}), signer),
     ])
     questions, answers = Mailbox("q", 8), Mailbox("a", 8)
     with anyio.fail_after(60):
@@ -86,7 +90,8 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
                                    engine_factory=lambda: Engine(tiny_model, engine_options())))
             for _ in range(2):  # the control actor's first run, then its restart after a crash
                 async with anyio.create_task_group() as control:
-                    await control.start(control_actor, kafka, questions, Shutdown(10.0))
+                    await control.start(partial(control_actor, audit=None), kafka, questions, Shutdown(10.0),
+                                        AdaptersConfig(root=str(tmp_path)))
                     control.cancel_scope.cancel()
             questions.send.close()
 

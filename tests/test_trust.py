@@ -1,0 +1,228 @@
+"""The trust boundary on the embedded broker: who may set a question's server-side fields, who may
+command the fleet, and what a record over the wire's bounds gets.
+
+Questions go through a real KafkaWorker (intake, trust gate, publisher, DLQ) with a stand-in engine
+that records what it was given and echoes; control commands through the real control actor, reader
+and audit in front of a real engine actor on the tiny model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import anyio
+import msgspec
+import pytest
+
+pytest.register_assert_rewrite("kafka_fixtures")
+from kafka_fixtures import (  # noqa: E402
+    StandInEngine,
+    kafka_config,
+    produce_records,
+    question,
+    read_topic,
+    running_worker,
+    wait_until,
+)
+
+from schemas import (  # noqa: E402
+    AdaptersConfig,
+    ControlEvent,
+    LimitsConfig,
+    TrustConfig,
+    decode_answer,
+)
+from schemas.signing import QUESTION, Signer  # noqa: E402
+
+pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
+pytestmark = [pytest.mark.kafka, pytest.mark.anyio]
+
+TRUST = TrustConfig(keys={"gw": "the-gateway-secret-1"})
+SIGNER = Signer.from_config(TRUST)
+IMPOSTOR = Signer("gw", "a-guessed-secret-000")  # the right key id, the wrong secret
+SERVER_SIDE = dict(tenant="acme", cache_salt="salt", priority=100, timeout_ms=86_400_000)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def unsigned(value: bytes) -> tuple[bytes, bytes, list]:
+    return b"k", value, []
+
+
+def signed(value: bytes, signer: Signer = SIGNER) -> tuple[bytes, bytes, list]:
+    return b"k", value, signer.headers(value, QUESTION)
+
+
+def named(logs, event: str) -> list[dict]:
+    return [e for e in logs if e.get("event") == event]
+
+
+def seen(engine: StandInEngine) -> dict:
+    return {inbound.question.question_id: inbound.question for inbound in engine.received}
+
+
+async def answers_on(bootstrap: str, topic: str, count: int) -> dict:
+    return {r.key.decode(): decode_answer(r.value) for r in await read_topic(bootstrap, topic, count)}
+
+
+async def test_only_signed_questions_keep_their_server_side_fields(kafka_broker, logs):
+    cfg = kafka_config(kafka_broker, partitions=1, trust=TRUST)
+    bootstrap, replies = kafka_broker.bootstrap_servers, f"kev.replies.{cfg.group_id}"
+    engine = StandInEngine()
+    async with running_worker(cfg, engine):
+        await produce_records(bootstrap, cfg.questions_topic, [
+            unsigned(question("forger", **SERVER_SIDE, reply_topic=replies)),
+            signed(question("trusted", **SERVER_SIDE, reply_topic=replies)),
+            signed(question("impostor", **SERVER_SIDE), IMPOSTOR),
+            signed(question("off-pattern", tenant="acme", reply_topic=f"{cfg.answers_topic}-private")),
+            unsigned(question("modest", timeout_ms=1000, priority=0)),
+        ])
+        private = await answers_on(bootstrap, replies, 1)
+        public = await answers_on(bootstrap, cfg.answers_topic, 4)
+        await wait_until(lambda: len(engine.received) == 5)
+
+    got = seen(engine)
+    for qid in ("forger", "impostor"):  # served, as if the fields had not been sent
+        q = got[qid]
+        assert (q.tenant, q.cache_salt, q.priority, q.reply_topic) == (None, None, 0, None), qid
+        assert q.timeout_ms == TRUST.max_unsigned_timeout_ms
+    trusted = got["trusted"]
+    assert (trusted.tenant, trusted.cache_salt, trusted.priority, trusted.timeout_ms, trusted.reply_topic) == (
+        "acme", "salt", 100, 86_400_000, replies)
+    assert got["off-pattern"].tenant == "acme" and got["off-pattern"].reply_topic is None
+    assert got["modest"].timeout_ms == 1000
+    assert set(private) == {"trusted"}
+    assert set(public) == {"forger", "impostor", "off-pattern", "modest"}  # nobody's answer is lost
+
+    untrusted = {e["question_id"]: e for e in named(logs, "question.untrusted")}
+    assert untrusted["forger"]["verdict"] == "unsigned" and untrusted["forger"]["log_level"] == "info"
+    assert untrusted["forger"]["cleared"] == ["cache_salt", "priority", "reply_topic", "tenant", "timeout_ms"]
+    assert untrusted["modest"]["log_level"] == "debug"  # nothing to clear, nothing to shout about
+    forged, = named(logs, "question.forged_signature")
+    assert (forged["question_id"], forged["key_id"], forged["log_level"]) == ("impostor", "gw", "warning")
+    refused, = named(logs, "question.reply_topic_refused")
+    assert refused["question_id"] == "off-pattern"
+
+
+async def test_refuse_mode_answers_unsigned_questions_with_an_error(kafka_broker):
+    trust = msgspec.structs.replace(TRUST, unsigned_questions="refuse")
+    cfg = kafka_config(kafka_broker, partitions=1, trust=trust)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = StandInEngine()
+    async with running_worker(cfg, engine):
+        await produce_records(bootstrap, cfg.questions_topic, [
+            unsigned(question("plain", request_id="r1")),
+            signed(question("forged"), IMPOSTOR),
+            signed(question("signed")),
+        ])
+        answers = await answers_on(bootstrap, cfg.answers_topic, 3)
+
+    assert [i.question.question_id for i in engine.received] == ["signed"]
+    assert answers["signed"].error is None
+    for qid, verdict in (("plain", "unsigned"), ("forged", "forged")):
+        error = answers[qid].error
+        assert answers[qid].finish_reason == "error" and error.code == "unsigned", qid
+        assert f"the question was {verdict}" in error.message
+    assert answers["plain"].request_id == "r1"
+
+
+async def test_ids_over_their_bounds_get_error_answers_and_the_worker_serves_on(kafka_broker):
+    cfg = kafka_config(kafka_broker, partitions=1, limits=LimitsConfig(max_id_chars=64))
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = StandInEngine()
+    async with running_worker(cfg, engine) as worker:
+        await produce_records(bootstrap, cfg.questions_topic, [unsigned(v) for v in (
+            question("huge-request-id", request_id="r" * 900_000),  # the issue's worker-stopper
+            question("long-tenant", tenant="t" * 100),  # over the configured 64, under the ceiling
+            question("long-adapter", adapter="a" * 300),
+            question("q" * 300),  # no usable id: nobody to answer
+            question("after"),
+        )])
+        answers = await answers_on(bootstrap, cfg.answers_topic, 4)
+        dead = await read_topic(bootstrap, cfg.dlq_topic, 1)
+        stats = worker.statistics()
+
+    assert [i.question.question_id for i in engine.received] == ["after"]
+    assert answers["after"].error is None
+    expected = {"huge-request-id": "request_id: 900000 characters, at most 256 allowed",
+                "long-tenant": "tenant: 100 characters, at most 64 allowed",
+                "long-adapter": "adapter: 300 characters, at most 256 allowed"}
+    for qid, message in expected.items():
+        answer = answers[qid]
+        assert (answer.error.code, answer.error.message) == ("invalid_field", message)
+        assert answer.request_id is None
+    assert [dict(r.headers)["dlq.reason"] for r in dead] == [b"unusable_question_id"]
+    assert stats.dead_letters == 1 and stats.error_answers == 3
+
+
+async def test_the_control_topic_is_created_compacted(kafka_broker):
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from consumers import ensure_topics
+
+    cfg = kafka_config(kafka_broker)
+    await ensure_topics(cfg)
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers)
+    await admin.start()
+    try:
+        response, = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, cfg.control_topic)])
+    finally:
+        await admin.close()
+    (*_, entries), = response.resources
+    assert {entry[0]: entry[1] for entry in entries}["cleanup.policy"] == "compact"
+
+
+async def test_control_commands_must_be_signed_and_adapters_come_from_the_root(
+        kafka_broker, tiny_model, tmp_path, logs, monkeypatch):
+    from consumers import control_record, create_topics
+    from engine import Engine
+    from kev_async.app import control_actor
+    from kev_async.bench.lora import write_random_adapter
+    from kev_async.engine_actor import engine_actor
+    from kev_async.runtime.actors import Mailbox
+    from kev_async.runtime.lifecycle import Shutdown
+    from test_control_replay import engine_options
+
+    monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "2000")  # the audit group forms in about a second
+    cfg = kafka_config(kafka_broker, trust=TRUST)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write_random_adapter(root / "good", tiny_model, rank=4, seed=0)
+    write_random_adapter(outside / "evil", tiny_model, rank=4, seed=1)
+    (root / "link").symlink_to(outside / "evil")  # inside by name, outside once resolved
+
+    def command(**fields) -> tuple[bytes, bytes, list]:
+        return control_record(ControlEvent(**fields), SIGNER)
+
+    unsigned_defaults = command(action="update_defaults", defaults={"temperature": 2.0})[:2] + ([],)
+    forged_load = control_record(ControlEvent(action="load_adapter", name="x", path="good"), IMPOSTOR)
+    await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1, cfg.dlq_topic: 1})
+    await produce_records(cfg.bootstrap_servers, cfg.control_topic, [
+        unsigned_defaults, forged_load,
+        command(action="load_adapter", name="good", path="good"),
+        command(action="load_adapter", name="abs", path=str(outside / "evil")),
+        command(action="load_adapter", name="dots", path="../outside/evil"),
+        command(action="load_adapter", name="link", path="link"),
+    ])
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            questions, answers = Mailbox("q", 8), Mailbox("a", 8)
+            await tg.start(partial(engine_actor, questions.receive, answers.send,
+                                   engine_factory=lambda: Engine(tiny_model, engine_options())))
+            for _ in range(2):  # two workers' control actors (one device here): the fleet dead-letters once
+                await tg.start(control_actor, cfg, questions, Shutdown(10.0), AdaptersConfig(root=str(root)))
+            dead = await read_topic(cfg.bootstrap_servers, cfg.dlq_topic, 2, linger=3.0)
+            tg.cancel_scope.cancel()
+
+    assert [(r.value, dict(r.headers)["dlq.reason"]) for r in dead] == [
+        (unsigned_defaults[1], b"unsigned"), (forged_load[1], b"forged")]
+    assert dict(dead[0].headers)["dlq.source.offset"] == b"0"
+    applied = [(e["action"], e["name"]) for e in named(logs, "control.applied")]
+    assert applied == [("load_adapter", "good")] * 2
+    failed = {e["name"]: e["error"] for e in named(logs, "control.failed")}
+    assert set(failed) == {"abs", "dots", "link"}
+    assert all("outside adapters.root" in error for error in failed.values())
+    assert {e["reason"] for e in named(logs, "control.skipped")} == {"unsigned", "forged"}
