@@ -53,7 +53,10 @@ class Inbound:
     topic: str
     partition: int
     offset: int
-    received_at: float  # time.monotonic() when decoded, the engine's arrival clock
+    received_at: float  # time.monotonic() when decoded, the engine's arrival clock (its timings)
+    # The record's timestamp (ms since the epoch; CreateTime unless the topic uses LogAppendTime): the
+    # question's deadline counts from it, capped at "now" so a future stamp cannot extend it. None: none.
+    published_ms: int | None = None
 
     @property
     def position(self) -> Position:

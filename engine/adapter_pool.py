@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from engine.adapters import LoraAdapter, load_adapter
+from engine.adapters import AdapterError, LoraAdapter, load_adapter
 
 log = structlog.get_logger("kev.lora")
 
@@ -40,10 +40,13 @@ class LoraPool:
         self._versions: Counter[str] = Counter()  # never reused, even after an unload
         self.num_loads = 0
 
-    def load(self, name: str, path: str | Path) -> LoraAdapter:
-        """Register (or replace) `name`; the adapter is checked before anything changes."""
-        adapter = self._read(name, path, self._versions[name] + 1)
-        self._versions[name] = adapter.version
+    def load(self, name: str, path: str | Path, version: int | None = None) -> LoraAdapter:
+        """Register (or replace) `name`; the adapter is checked before anything changes.
+
+        `version`: the version to serve it under (re-applying a predecessor engine's load after a
+        restart, so answers and prefix-cache keys keep their numbering); default the next one."""
+        adapter = self._read(name, path, version or self._versions[name] + 1)
+        self._versions[name] = max(self._versions[name], adapter.version)
         self._registered[name] = (adapter.path, adapter.version)
         self._resident.pop(name, None)
         if self._make_room():
@@ -98,6 +101,20 @@ class LoraPool:
             log.info("lora.evicted", adapter=idle)
         return True
 
+    def current(self, name: str) -> tuple[Path, int]:
+        """(path, version) of what `name` serves now; UnknownAdapter if it is not registered."""
+        if name not in self._registered:
+            raise UnknownAdapter(name)
+        return self._registered[name]
+
     def _read(self, name: str, path, version: int) -> LoraAdapter:
+        """Read and check an adapter; whatever goes wrong (a file cut short, bad JSON, a corrupt
+        safetensors header) is an AdapterError, so it ends only the questions that asked for it."""
         self.num_loads += 1
-        return load_adapter(name, path, self.model, version)
+        try:
+            return load_adapter(name, path, self.model, version)
+        except AdapterError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is this adapter's problem alone
+            raise AdapterError(f"adapter {name!r}: could not be read from {path}: "
+                               f"{type(exc).__name__}: {exc}") from exc

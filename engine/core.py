@@ -15,15 +15,16 @@ import structlog
 
 from engine.audit import forward_summary, violations
 from engine.block_pool import BlockPool
+from engine.deadlines import deadline, expired_message
 from engine.defaults import DefaultsRegistry
 from engine.detokenizer import TextStream
 from engine.flash import FlashAttention, flash_available
 from engine.kv_cache import KVCache, cache_dtype, plan_num_blocks
 from engine.adapter_pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.adapters import AdapterError, LoraAdapter
+from engine.intake import QuestionRejected, prepare_prompt
 from engine.options import EngineOptions
 from engine.prefix_cache import prefix_salt
-from engine.prompt import encode_prompt
 from engine.routing import Router
 from engine.runner import ModelRunner
 from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
@@ -31,14 +32,6 @@ from engine.sequence import Sequence, Status
 from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
 
 log = structlog.get_logger("kev.engine")
-
-
-class QuestionRejected(Exception):
-    """The question cannot run; it gets an error answer with this code."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)
@@ -91,27 +84,35 @@ class EngineCore:
 
     # -- intake --------------------------------------------------------------------------------
     def add(self, question: QuestionEvent, prompt_ids: list[int] | None = None,
-            arrival: float | None = None) -> Sequence:
-        """Queue a question; raises QuestionRejected with a code the caller turns into an error answer."""
+            arrival: float | None = None, published: float | None = None) -> Sequence:
+        """Queue a question; raises QuestionRejected with a code the caller turns into an error answer.
+
+        `arrival` (time.monotonic()) is when it reached this worker: its timings count from there.
+        `published` (the same clock; engine.deadlines.published_at) is when it was published: its
+        deadline counts from there. A question already past its deadline is not computed: it ends
+        "timeout" at the next step, with no prefill. Without `prompt_ids` the prompt is encoded here.
+        """
         qid = question.question_id
         if qid in self._sequences:
             raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
         arrival = time.monotonic() if arrival is None else arrival
+        start = arrival if published is None else min(published, arrival)
+        timeout_ms = question.timeout_ms or self.options.default_timeout_ms
+        ends_at = deadline(start, timeout_ms)
+        now = time.monotonic()
+        if ends_at is not None and now >= ends_at:
+            return self._expire(question, arrival, expired_message(start, arrival, timeout_ms, now))
         if prompt_ids is None:
-            try:
-                prompt_ids = encode_prompt(self.model.tokenizer, question)
-            except Exception as exc:  # e.g. a chat template that raises on this message order
-                raise QuestionRejected("bad_prompt", f"the prompt could not be encoded: {exc}") from None
+            prompt_ids = self.prepare(question)
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
         lora = self._acquire_adapter(question.adapter)
-        timeout_ms = question.timeout_ms or self.options.default_timeout_ms
         seq = Sequence(
             question_id=qid,
             prompt_ids=list(prompt_ids),
             params=self.defaults.resolve(question.params, self.stop_token_ids),
             priority=question.priority,
-            deadline=arrival + timeout_ms / 1000 if timeout_ms else None,
+            deadline=ends_at,
             arrival=arrival,
             adapter=question.adapter,
             lora=lora,
@@ -125,9 +126,32 @@ class EngineCore:
             self.loras.release(lora)
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
+        self._track(question, seq)
+        return seq
+
+    def prepare(self, question: QuestionEvent) -> list[int]:
+        """The prompt's token ids within this engine's limits, or QuestionRejected.
+
+        Reads only the tokenizer and fixed limits: safe on any thread (Engine calls it on a worker
+        thread, so tokenizing never holds up a step).
+        """
+        return prepare_prompt(self.model.tokenizer, question, self.scheduler.max_tokens_per_question)
+
+    def _expire(self, question: QuestionEvent, arrival: float, why: str) -> Sequence:
+        """End a question that is past its deadline on arrival: answered at the next step, never computed."""
+        seq = Sequence(question_id=question.question_id, prompt_ids=[],
+                       params=self.defaults.resolve(question.params, self.stop_token_ids),
+                       priority=question.priority, arrival=arrival, adapter=question.adapter)
+        seq.error = why
+        self.scheduler.finish(seq, Status.TIMEOUT)
+        self._track(question, seq)
+        log.info("question.expired", question_id=question.question_id, why=why)
+        return seq
+
+    def _track(self, question: QuestionEvent, seq: Sequence) -> None:
+        qid = question.question_id
         self._questions[qid], self._sequences[qid] = question, seq
         self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
-        return seq
 
     def _prefix_salt(self, question: QuestionEvent, seq: Sequence) -> bytes:
         tenant = question.tenant if self.options.prefix_scope == "tenant" else None
@@ -137,9 +161,10 @@ class EngineCore:
         return self.scheduler.cancel(question_id)
 
     # -- adapters ------------------------------------------------------------------------------
-    def load_adapter(self, name: str, path) -> LoraAdapter:
-        """Register or replace a PEFT LoRA adapter; questions admitted from now on get this version."""
-        return self.loras.load(name, path)
+    def load_adapter(self, name: str, path, version: int | None = None) -> LoraAdapter:
+        """Register or replace a PEFT LoRA adapter; questions admitted from now on get this version
+        (the next one, or `version` when re-applying a load this engine's predecessor made)."""
+        return self.loras.load(name, path, version)
 
     def unload_adapter(self, name: str) -> None:
         """New questions naming it get `unknown_adapter`; those already admitted finish with it."""
@@ -209,7 +234,7 @@ class EngineCore:
         return AnswerEvent(
             question_id=qid,
             request_id=question.request_id,
-            error=ErrorInfo("internal_error", seq.error or "") if seq.status == Status.ERROR else None,
+            error=_error(seq),
             text=stream.text,
             token_ids=output_ids,
             finish_reason=seq.status.finish_reason,
@@ -265,7 +290,19 @@ def _block_size(options: EngineOptions, attention) -> int:
     return options.block_size
 
 
+def _error(seq: Sequence) -> ErrorInfo | None:
+    if seq.status == Status.ERROR:
+        return ErrorInfo("internal_error", seq.error or "")
+    if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty
+        return ErrorInfo("deadline_expired", seq.error)
+    return None
+
+
 def _timings(seq: Sequence) -> Timings:
+    """Milliseconds from when the question reached this worker (`arrival`), not from its publish time:
+    queued_ms until it was first admitted to the batch (0 if never), ttft_ms until its first token,
+    e2e_ms until it ended. Its deadline, unlike these, counts from the publish time."""
+
     def ms(t):
         return None if t is None else round((t - seq.arrival) * 1000, 3)
 

@@ -47,6 +47,11 @@ class DefaultsRegistry:
             self._current = replace(self._current, version=self._current.version + 1, **changes)
             return self._current
 
+    def restore(self, defaults: Defaults) -> None:
+        """Serve `defaults`, version included (a restarted engine taking up where its predecessor was)."""
+        with self._lock:
+            self._current = defaults
+
     def resolve(self, params, stop_token_ids: tuple[int, ...]) -> SamplingParams:
         """A question's own params over the current defaults; no seed given means a fresh random one."""
         d = self._current

@@ -6,6 +6,11 @@ import bisect
 
 REPLACEMENT = "\ufffd"  # what a tokenizer prints for an unfinished UTF-8 sequence
 CONTEXT_TOKENS = 5  # earlier tokens decoded alongside the new ones, so leading spaces come out right
+# Tokens to wait for the rest of an unfinished character. A UTF-8 character is at most 4 bytes, so
+# its bytes come within 4 tokens or never (a model can draw stray continuation bytes forever): then
+# the text is shown as it decodes, "\ufffd" and all, and decoding starts afresh after it, so each
+# decode spans a bounded number of tokens and the whole answer decodes in linear time.
+MAX_PENDING_TOKENS = 4
 
 
 class TextStream:
@@ -25,12 +30,15 @@ class TextStream:
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         window = self._decode(self.ids[self._prefix :])
-        if window.endswith(REPLACEMENT):  # wait for the rest of the character
+        unfinished = window.endswith(REPLACEMENT)
+        if unfinished and len(self.ids) - self._read < MAX_PENDING_TOKENS:  # wait for the rest of the character
             self._ends.append(len(self.text))
             return ""
         previous = self._decode(self.ids[self._prefix : self._read])
         self.text += window[len(previous) :]
-        self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
+        # After giving up, no context: a later byte that completes the shown "\ufffd" must not be
+        # decoded with it again (the text shown so far would no longer be a prefix of the window).
+        self._prefix = len(self.ids) if unfinished else max(0, len(self.ids) - CONTEXT_TOKENS)
         self._read = len(self.ids)
         self._ends.append(len(self.text))
         self._cut_stop_string(len(window) - len(previous))

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import itertools
 import queue
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import structlog
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, rejected_answer
 from engine.adapters import LoraAdapter
+from engine.deadlines import deadline, published_at
+from engine.defaults import Defaults
 from engine.options import EngineOptions
 from engine.prompt import as_question
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
 
 _STOP = object()
+# Prompts are rendered and tokenized on one worker thread at a time, in arrival order; the tokenizer
+# is shared with the device thread's detokenizing, and one thread keeps encodes from contending.
+TOKENIZING_THREADS = 1
+log = structlog.get_logger("kev.engine")
 
 
 @dataclass(eq=False)
@@ -79,6 +87,7 @@ class Engine:
         places = self.options.max_batch_size + self.options.max_waiting
         self._places = anyio.Semaphore(places if self.options.overflow_policy == "wait" else 1 << 30)
         self._task_group = None
+        self._tokenizing: anyio.CapacityLimiter | None = None
         self.closed = False
 
     async def __aenter__(self) -> "Engine":
@@ -92,8 +101,13 @@ class Engine:
         return await self._task_group.__aexit__(*exc)
 
     # -- the public face ---------------------------------------------------------------------------
-    async def submit(self, question, *, arrival: float | None = None, **params) -> Handle:
-        """Queue a question; `arrival` (time.monotonic()) is when it really arrived, for its timings."""
+    async def submit(self, question, *, arrival: float | None = None, published_ms: int | None = None,
+                     cancelled: bool = False, **params) -> Handle:
+        """Queue a question. `arrival` (time.monotonic()) is when it really arrived, for its timings;
+        `published_ms` (ms since the epoch, a Kafka record's timestamp) is when it was published, for
+        its deadline (see engine/deadlines.py); `cancelled`: a cancel came before it, so it ends
+        "cancelled" without computing. Its prompt is rendered and tokenized here, on a worker thread,
+        so a huge prompt never holds up a step; a prompt over the limits is answered here."""
         question = as_question(question, next(self._numbers), **params)
         if self.closed:
             raise RuntimeError("the engine is closed")
@@ -104,14 +118,48 @@ class Engine:
         previous = self._handles.get(question.question_id)
         if previous is not None and previous.cancelling:  # a retry right after a cancel: let it land first
             await self.wait(previous)
-        handle = Handle(question)
+        handle = Handle(question, cancelling=cancelled)
         if question.question_id in self._handles:
             self._finish(handle, rejected_answer(question, QuestionRejected(
                 "duplicate_question_id", f"question {question.question_id!r} is already in flight")), own=True)
             return handle
-        self._handles[question.question_id] = handle
-        self._commands.put(("add", (question, arrival)))
+        self._handles[question.question_id] = handle  # from now on holds() and cancel() know it
+        arrival = time.monotonic() if arrival is None else arrival
+        published = published_at(published_ms)
+        try:
+            prompt_ids = await self._prepare(question, arrival, published)
+        except QuestionRejected as rejected:
+            self._drop(handle, rejected_answer(question, rejected))
+            return handle
+        except BaseException:  # the submitter was cancelled while its prompt was tokenized
+            self._drop(handle, None)
+            raise
+        if self.closed:  # closed while it was tokenized: the step loop may have stopped reading commands
+            self._drop(handle, rejected_answer(question, QuestionRejected(
+                "engine_closed", "the engine closed before this question started")))
+            return handle
+        self._commands.put(("add", (question, prompt_ids, arrival, published)))
         return handle
+
+    async def _prepare(self, question: QuestionEvent, arrival: float, published: float | None) -> list[int] | None:
+        """Its prompt ids, tokenized off the device thread; None when its deadline has already passed
+        (the engine answers it "timeout" without tokenizing or computing anything)."""
+        start = arrival if published is None else min(published, arrival)
+        ends_at = deadline(start, question.timeout_ms or self.options.default_timeout_ms)
+        if ends_at is not None and time.monotonic() >= ends_at:
+            return None
+        if self._tokenizing is None:  # made here: a CapacityLimiter needs a running event loop
+            self._tokenizing = anyio.CapacityLimiter(TOKENIZING_THREADS)
+        return await anyio.to_thread.run_sync(self.core.prepare, question, limiter=self._tokenizing)
+
+    def _drop(self, handle: Handle, answer: AnswerEvent | None) -> None:
+        """A question that never reached the core: answer it here (or just forget it) and free its place."""
+        del self._handles[handle.question_id]
+        if answer is not None:
+            self._finish(handle, answer, own=True)
+        else:
+            self._places.release()
+            handle._notify()
 
     async def wait(self, handle: Handle, timeout: float | None = None) -> AnswerEvent:
         with anyio.fail_after(timeout):
@@ -139,9 +187,10 @@ class Engine:
             self._handles[question_id].cancelling = True
         self._commands.put(("cancel", question_id))
 
-    async def load_adapter(self, name: str, path) -> LoraAdapter:
-        """Hot-load or replace a LoRA adapter between two steps; questions in flight keep their version."""
-        return await self._on_device_thread(self.core.load_adapter, name, path)
+    async def load_adapter(self, name: str, path, version: int | None = None) -> LoraAdapter:
+        """Hot-load or replace a LoRA adapter between two steps; questions in flight keep their version.
+        `version`: serve it under this version (re-applying a load after a restart); default the next."""
+        return await self._on_device_thread(self.core.load_adapter, name, path, version)
 
     async def unload_adapter(self, name: str) -> None:
         """New questions naming `name` get `unknown_adapter`; those in flight finish with it."""
@@ -150,6 +199,15 @@ class Engine:
     def update_defaults(self, **changes) -> int:
         """New sampling defaults for questions admitted from now on; returns the new version."""
         return self.core.defaults.update(**changes).version
+
+    @property
+    def defaults(self) -> Defaults:
+        """The sampling defaults questions admitted now get, with their version."""
+        return self.core.defaults.current
+
+    def restore_defaults(self, defaults: Defaults) -> None:
+        """Serve `defaults`, version included: a restarted engine takes up where its predecessor was."""
+        self.core.defaults.restore(defaults)
 
     def close(self) -> None:
         """Stop the step loop; questions still in flight are cancelled."""
@@ -232,11 +290,18 @@ class Engine:
             arg.run()
             anyio.from_thread.run_sync(arg.done.set)
             return
-        question, arrival = arg
+        question, prompt_ids, arrival, published = arg
         try:
-            self.core.add(question, arrival=arrival)
+            self.core.add(question, prompt_ids, arrival=arrival, published=published)
+            handle = self._handles.get(question.question_id)
+            if handle is not None and handle.cancelling:  # cancelled before (or while) it was tokenized
+                self.core.cancel(question.question_id)
         except QuestionRejected as exc:
             self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, exc)]))
+        except Exception as exc:  # noqa: BLE001 - one question's failure is its own: the device thread goes on
+            log.exception("engine.add_failed", question_id=question.question_id)
+            failed = QuestionRejected("internal_error", f"the question could not be queued: {type(exc).__name__}")
+            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
         if events.deltas or events.answers:

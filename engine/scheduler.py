@@ -319,6 +319,8 @@ class Scheduler:
         now = self.clock()
         for seq in self.running + self.waiting:
             if seq.deadline is not None and now >= seq.deadline:
+                if seq.admitted_at is None:  # never computed: the answer says why it is empty
+                    seq.error = "the question's deadline passed while it waited for a place in the batch"
                 self.finish(seq, Status.TIMEOUT)
 
 

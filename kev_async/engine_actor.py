@@ -30,6 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine import Engine, Handle
 from kev_async.early_cancels import EarlyCancels
+from kev_async.engine_state import ControlState
 from kev_async.runtime.actors import Mailbox, NoReply, Reply, Request, ask
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent, error_answer
 
@@ -40,6 +41,7 @@ log = structlog.get_logger("kev.engine_actor")
 class Submit:
     question: QuestionEvent
     source: Any = None  # handed back with the answer when the actor has a `wrap`
+    published_ms: int | None = None  # when it was published (ms since the epoch): its deadline counts from it
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def _own_device(engine: Engine):
 async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSendStream, *,
                        engine_factory: Callable[[], Engine], max_in_flight: int | None = None,
                        wrap: Callable[[AnswerEvent | AnswerDelta, Any], Any] | None = None,
+                       state: ControlState | None = None,
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Own one Engine: take Submit / Cancel / Request(UpdateDefaults) / LoadAdapter / UnloadAdapter
     messages (the last two plainly or as a Request), send answers out.
@@ -114,12 +117,18 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     reaches whoever feeds it. If the actor crashes (say the device thread fails), every question it
     had taken gets an "engine_failed" error answer before the crash goes on to the supervisor, so
     no asker waits forever and no source offset is held back.
+
+    `state` holds what control commands changed (adapters, defaults, command ids applied). Give the
+    same ControlState to every start of the actor (one made next to its supervisor Child) and a
+    restarted actor's new Engine gets it all back before it reads a message.
     """
     engine = engine_factory()
+    state = ControlState() if state is None else state
     with _own_device(engine) as device:
-        actor = _SchedulerActor(engine, outbox, max_in_flight or 2 * engine.options.max_batch_size, wrap)
+        actor = _SchedulerActor(engine, outbox, max_in_flight or 2 * engine.options.max_batch_size, wrap, state)
         try:
             async with engine, anyio.create_task_group() as forwarders:
+                await state.reapply(engine)
                 log.info("engine_actor.ready", device=device, max_in_flight=actor.max_in_flight)
                 task_status.started()
                 async for message in inbox:
@@ -134,23 +143,25 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
 
 
 class _SchedulerActor:
-    def __init__(self, engine: Engine, outbox: MemoryObjectSendStream, max_in_flight: int, wrap) -> None:
+    def __init__(self, engine: Engine, outbox: MemoryObjectSendStream, max_in_flight: int, wrap,
+                 state: ControlState) -> None:
         self.engine, self.outbox, self.max_in_flight = engine, outbox, max_in_flight
         self.places = anyio.Semaphore(max_in_flight)
         self.in_flight: dict[Handle, Any] = {}  # taken, answer not yet sent -> its source
         self.wrap = wrap or (lambda event, _source: event)
         self.early_cancels = EarlyCancels()
-        self.applied: dict[int, tuple[bool, Any]] = {}  # control command_id -> (succeeded, reply or error)
+        self.state = state
+        self.applied = state.applied  # control command_id -> (succeeded, reply or error)
 
     async def handle(self, message: Any, forwarders) -> None:
         command, reply_to = (message.body, message.reply_to) if isinstance(message, Request) else (message, None)
         if isinstance(command, (UpdateDefaults, LoadAdapter, UnloadAdapter)) and self._repeat(command, reply_to):
             return
         match message:
-            case Submit(question=question, source=source):
-                await self._submit(question, source, forwarders)
+            case Submit(question=question, source=source, published_ms=published_ms):
+                await self._submit(question, source, forwarders, published_ms)
             case object(question=QuestionEvent() as question):  # an envelope from another protocol
-                await self._submit(question, message, forwarders)
+                await self._submit(question, message, forwarders, getattr(message, "published_ms", None))
             case Cancel(question_id=question_id):
                 self._cancel(question_id)
             case Request(body=UpdateDefaults() as command, reply_to=reply_to):
@@ -162,15 +173,17 @@ class _SchedulerActor:
             case _:
                 log.error("engine_actor.unknown_message", message=repr(message)[:200])
 
-    async def _submit(self, question: QuestionEvent, source: Any, forwarders) -> None:
+    async def _submit(self, question: QuestionEvent, source: Any, forwarders, published_ms: int | None) -> None:
         await self.places.acquire()
-        # Timings start when the question reached this worker, not when the engine got to it.
-        handle = await self.engine.submit(question, arrival=getattr(source, "received_at", None))
+        # Timings start when the question reached this worker, not when the engine got to it; its
+        # deadline counts from when it was published. The engine tokenizes it off the device thread.
+        cancelled = self.early_cancels.take(question.question_id)
+        if cancelled:
+            log.info("engine_actor.cancelled_on_arrival", question_id=question.question_id)
+        handle = await self.engine.submit(question, arrival=getattr(source, "received_at", None),
+                                          published_ms=published_ms, cancelled=cancelled)
         self.in_flight[handle] = source
         forwarders.start_soon(self._forward, handle)
-        if self.early_cancels.take(question.question_id):
-            log.info("engine_actor.cancelled_on_arrival", question_id=question.question_id)
-            self.engine.cancel(handle)
 
     def _cancel(self, question_id: str) -> None:
         if self.engine.holds(question_id):
@@ -186,6 +199,7 @@ class _SchedulerActor:
             reply_to.fail(bad_change)
             return
         self._remember(command, True, version)
+        self.state.defaults_updated(self.engine.defaults)
         reply_to.set(version)
 
     def _repeat(self, command, reply_to: Reply | None) -> bool:
@@ -219,6 +233,10 @@ class _SchedulerActor:
                 reply_to.fail(error)
             return
         self._remember(command, True, result)
+        if isinstance(command, LoadAdapter):
+            self.state.adapter_loaded(command.name, result.path, result.version)
+        else:
+            self.state.adapter_unloaded(command.name)
         if reply_to is not None:
             reply_to.set(result)
 

@@ -1,5 +1,8 @@
 """The scheduler actor on a tiny random-weight Llama: many askers, streamed answers, cancels free KV."""
 
+import dataclasses
+import threading
+import time
 from functools import partial
 
 import anyio
@@ -62,8 +65,8 @@ class Engines:
 
 
 def question(i: int, **fields) -> QuestionEvent:
-    return QuestionEvent(question_id=f"q{i}", prompt=f"question {i}" + " and more" * (i % 9),
-                         **{"params": SHORT, **fields})
+    return QuestionEvent(question_id=f"q{i}", **{"prompt": f"question {i}" + " and more" * (i % 9),
+                                                 "params": SHORT, **fields})
 
 
 async def test_a_hundred_concurrent_askers_each_get_their_own_answer(model):
@@ -264,3 +267,90 @@ async def _until(condition, timeout=5.0):
     with anyio.fail_after(timeout):
         while not condition():
             await anyio.sleep(0.002)
+
+
+# -- prompt limits in tokens, checked before the engine; tokenizing off the device thread (issue 26, item 7) --
+
+MARK = "(held at the tokenizer)"
+
+
+class HeldTokenizer:
+    """The real tokenizer, except that rendering a prompt with MARK in it waits for the engine to make
+    `forwards` more forwards (at most 10 s): that can only happen if tokenizing is off the device thread."""
+
+    def __init__(self, inner, engines: Engines, forwards: int = 5):
+        self.inner, self.engines, self.forwards = inner, engines, forwards
+        self.held_on: set[int] = set()  # threads that rendered a held prompt
+        self.forwards_while_held: int | None = None
+        self.rendered: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        text = " ".join(m["content"] for m in messages)
+        self.rendered.append(text[:40])
+        if MARK in text:
+            self.held_on.add(threading.get_ident())
+            core = self.engines.made[-1].core
+            start, give_up = core.num_forwards, time.monotonic() + 10
+            while core.num_forwards < start + self.forwards and time.monotonic() < give_up:
+                time.sleep(0.001)
+            self.forwards_while_held = core.num_forwards - start
+        return self.inner.apply_chat_template(messages, **kwargs)
+
+
+def _with_tokenizer(model, tokenizer):
+    return dataclasses.replace(model, tokenizer=tokenizer)
+
+
+async def test_a_prompt_being_tokenized_does_not_hold_up_the_decode_steps(model):
+    engines = Engines(model)
+    held = HeldTokenizer(model.tokenizer, engines)
+    engines.model = _with_tokenizer(model, held)
+    device_threads: set[int] = set()
+    async with open_engine_client(engines) as client:
+        engines.made[-1].core.step_observer = lambda _size: device_threads.add(threading.get_ident())
+        async with anyio.create_task_group() as tg:
+            answers = {}
+
+            async def ask(q):
+                answers[q.question_id] = await client.ask(q, timeout=60)
+
+            tg.start_soon(ask, question(1, params=LONG))
+            await _until(lambda: engines.made[-1].core.num_forwards > 0)  # q1 is decoding
+            tg.start_soon(ask, question(2, prompt=f"A big prompt {MARK}"))
+    assert held.forwards_while_held == held.forwards  # q1's steps went on while q2's prompt was rendered
+    assert held.held_on and device_threads and not held.held_on & device_threads
+    assert answers["q1"].finish_reason == "length" and answers["q2"].error is None
+
+
+async def test_a_prompt_over_the_token_limit_is_answered_before_the_engine(model):
+    engines = Engines(model)
+    added = []
+    async with open_engine_client(engines) as client:
+        core = engines.made[-1].core
+        add = core.add
+        core.add = lambda q, *args, **kwargs: (added.append(q.question_id), add(q, *args, **kwargs))[1]
+        limit = core.scheduler.max_tokens_per_question  # 512: OPTIONS.max_context
+        # Under the 8-characters-per-token bound (4,096), over 511 tokens once tokenized.
+        long = question(1, prompt="hello " * 600)
+        too_long = await client.ask(long, timeout=30)
+        ok = await client.ask(question(2), timeout=30)
+    tokens = len(encode_prompt(model.tokenizer, long))
+    assert tokens > limit
+    assert too_long.finish_reason == "error" and too_long.error.code == "prompt_too_long"
+    assert f"the prompt has {tokens} tokens; this engine allows at most {limit - 1}" in too_long.error.message
+    assert added == ["q2"] and core.num_forwards > 0 and ok.error is None
+
+
+async def test_a_huge_prompt_is_refused_by_its_length_before_it_is_tokenized(model):
+    engines = Engines(model)
+    counting = HeldTokenizer(model.tokenizer, engines)
+    engines.model = _with_tokenizer(model, counting)
+    async with open_engine_client(engines) as client:
+        huge = await client.ask(question(1, prompt="x" * 300_000), timeout=30)
+        ok = await client.ask(question(2), timeout=30)
+    assert huge.error.code == "prompt_too_long" and "300000 characters" in huge.error.message
+    assert "at most 4096 characters are tokenized" in huge.error.message  # 8 per token of a 512 context
+    assert [r[:10] for r in counting.rendered] == ["question 2"] and ok.error is None  # the huge one: never

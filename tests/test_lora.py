@@ -299,3 +299,103 @@ def test_scaling_comes_from_the_config(llama, adapters, tmp_path):
     _edit_config(directory, lora_alpha=16)
     core = EngineCore(llama.kev, _options())
     assert core.load_adapter("a", directory).config.scaling == 16 / 2
+
+
+# -- adapters that fail to read, and an engine actor that restarts (issue 26, item 8) ---------------
+
+@pytest.fixture(scope="module")
+def wide(harness, smollm2_tokenizer):
+    """The tiny Llama with SmolLM2's vocabulary, so real prompts can be asked through the async Engine."""
+    hf = harness.build_hf_tiny("llama", seed=100, vocab_size=49152)
+    return harness.kev_model_from_hf(hf, smollm2_tokenizer, name="tiny-llama-wide")
+
+
+def _question(qid, adapter=None, **params) -> QuestionEvent:
+    return QuestionEvent(question_id=qid, prompt="Name a colour.", adapter=adapter,
+                         params=Params(temperature=0.0, **params))
+
+
+@pytest.mark.parametrize("broken", ["adapter_model.safetensors", "adapter_config.json"])
+def test_a_corrupt_adapter_read_back_after_eviction_fails_only_its_questions(adapters, wide, tmp_path, broken):
+    import shutil
+
+    directory = shutil.copytree(adapters["qv"], tmp_path / "a")
+
+    async def main():
+        async with Engine(wide, _options(max_loras=1)) as engine:
+            await engine.load_adapter("a", directory)
+            await engine.load_adapter("b", adapters["all"])  # "a" is evicted: read back from disk when asked for
+            (directory / broken).write_bytes(b"\x00 cut short by a bad disk")
+            handles = [await engine.submit(_question(qid, adapter, max_new_tokens=6))
+                       for qid, adapter in (("with-a", "a"), ("with-b", "b"), ("base", None))]
+            with anyio.fail_after(30):
+                answers = {h.question_id: await engine.wait(h) for h in handles}
+                later = await engine.wait(await engine.submit(_question("later", "b", max_new_tokens=6)))
+            return answers, later, engine.closed
+
+    answers, later, closed = anyio.run(main)
+    failed = answers["with-a"]
+    assert failed.finish_reason == "error" and failed.error.code == "adapter_error"
+    assert "adapter 'a'" in failed.error.message and "could not be read" in failed.error.message
+    assert answers["with-b"].error is None and answers["base"].error is None
+    assert later.error is None and len(later.token_ids) == 6 and not closed  # the device thread lives on
+
+
+def test_a_restarted_engine_actor_keeps_its_adapters_and_defaults(adapters, wide):
+    import threading
+    from functools import partial
+    from pathlib import Path
+
+    from kev_async.engine_actor import LoadAdapter, Submit, UpdateDefaults, engine_actor
+    from kev_async.engine_state import ControlState
+    from kev_async.runtime.actors import Mailbox, ask
+    from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
+
+    made: list[Engine] = []
+    device_lost = threading.Event()
+
+    def make_engine() -> Engine:
+        engine = Engine(wide, _options())
+        if not made:  # the first engine's device fails at its first step once `device_lost` is set
+            step = engine.core.step
+            engine.core.step = lambda: _raise(RuntimeError("device lost")) if device_lost.is_set() else step()
+        made.append(engine)
+        return engine
+
+    async def main():
+        questions, answers = Mailbox("questions", 8), Mailbox("answers", 8)
+        actor = partial(engine_actor, engine_factory=make_engine, state=ControlState())
+        supervisor = Supervisor("app", [Child("scheduler", actor, (questions.receive, answers.send),
+                                              RestartPolicy(backoff_s=0))])
+        got = {}
+        with questions.receive, answers.receive:
+            async with anyio.create_task_group() as tg:
+                await tg.start(supervisor.run)
+                async with questions.send as inbox:
+                    await ask(inbox, LoadAdapter("a", adapters["qv"], command_id=1), 30)
+                    got["loaded"] = await ask(inbox, LoadAdapter("a", adapters["all"], command_id=2), 30)
+                    got["defaults"] = await ask(inbox, UpdateDefaults({"max_new_tokens": 5}, command_id=3), 30)
+                    for name in ("before", "lost", "after"):
+                        if name == "lost":
+                            device_lost.set()
+                        await inbox.send(Submit(_question(name, "a")))
+                        got[name] = await answers.receive.receive()
+                    # The control topic replayed into the new engine: applied once already, not again.
+                    got["replayed"] = await ask(inbox, LoadAdapter("a", adapters["all"], command_id=2), 30)
+        return got, supervisor.restarts
+
+    got, restarts = anyio.run(main)
+    assert restarts == {"scheduler": 1} and len(made) == 2
+    assert got["lost"].error.code == "engine_failed"
+    before, after = got["before"], got["after"]
+    assert got["loaded"].version == 2 and got["defaults"] == 2
+    assert after.error is None and after.audit.adapter == "a" and after.audit.defaults_version == 2
+    assert after.usage.completion_tokens <= 5  # the updated default, not the configured 256
+    assert after.token_ids == before.token_ids  # the same adapter version computed it
+    new = made[-1].core.loras
+    assert new.current("a") == (Path(adapters["all"]), 2) and new.num_loads == 1
+    assert got["replayed"].version == 2
+
+
+def _raise(error):
+    raise error
