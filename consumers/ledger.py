@@ -46,6 +46,15 @@ class QuestionLedger:
             self._answered.popitem(last=False)
         return waiting
 
+    def waiting(self, question_id: str) -> list[Position]:
+        """The redeliveries of an in-flight question that wait on its answer."""
+        return list(self._in_flight.get(question_id, ()))
+
+    def abandon(self, question_id: str) -> None:
+        """Forget a question this worker will not answer (its partition moved to another worker, with its
+        redeliveries), so a later redelivery here is answered afresh."""
+        self._in_flight.pop(question_id, None)
+
     def in_flight(self) -> int:
         return len(self._in_flight)
 

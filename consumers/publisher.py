@@ -6,6 +6,14 @@ order on one partition); one without gets them on the deltas and answers topics.
 `send()` only queues a record into the producer's batch; a settle task per record waits for the
 broker's ack (acks=all) and only then reports the source position as done. Those tasks live in the
 publisher's own task group, so leaving `async with Publisher(...)` waits for every ack in flight.
+
+No record stops the loop (consumers/delivery.py sorts the failures): every answer is cut to fit
+`max_request_size` before it is sent (`truncated` says so); a record the broker or the client
+refuses ends its question another way (a reply topic's answer goes to the answers topic, an answer
+becomes an error answer, then a dead letter; a delta is dropped: the answer carries the text); a
+transient failure is sent again with backoff for up to `retry_s`. What is left, a failure past its
+retries or one on the answers or dead-letter topic itself, raises PublishFailed: the worker stops,
+and the source of that record is never settled, so never committed.
 """
 
 from __future__ import annotations
@@ -13,23 +21,55 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from consumers import messages as m
+from consumers.delivery import (
+    DEFAULT_MAX_REQUEST_SIZE,
+    SIZE_HEADROOM,
+    PublishFailed,
+    Retries,
+    cut_answer,
+    is_record_level,
+    is_too_large,
+    is_transient,
+    record_size,
+    short_error,
+)
 from consumers.ledger import QuestionLedger
-from consumers.messages import Inbound, Outbound, Position
+from consumers.messages import Inbound, Outbound, Partition, Position
 from schemas import SCHEMA_VERSION, AnswerDelta, AnswerEvent, KafkaConfig, encode, error_answer
 
 log = structlog.get_logger("kev.consumers.publisher")
 
 Headers = list[tuple[str, bytes]]
+HEADER_DLQ_CUT = "dlq.cut"  # on a dead letter whose value was cut to fit: the original value's size
 _MAX_UNWRITABLE = 1024
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_MAX_KEY = 1024  # a dead letter's key beyond this is cut (it is only a copy of the source's)
+_ACK_WAIT_S = 1.0  # on revocation, how long the acks in flight are waited for (the rebalance waits too)
+
+
+@dataclass(frozen=True)
+class _Record:
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    kind: str  # answers | error_answers | deltas | dead_letters | forwarded: the count it adds to
+    settles: tuple[Position, ...] = ()
+    question_id: str | None = None
+    partition: int | None = None
+    reply: bool = False  # on a caller's reply topic: any failure sends it the fallback's way at once
+    # What ends the question when this record cannot go: the next record, or None to drop it. No fallback:
+    # the worker cannot go on (PublishFailed).
+    fallback: Callable[[BaseException], _Record | None] | None = None
 
 
 class Publisher:
@@ -41,14 +81,22 @@ class Publisher:
         on_settled: Callable[[Sequence[Position]], None],
         *,
         max_in_flight: int = 1024,
+        max_request_size: int = DEFAULT_MAX_REQUEST_SIZE,  # the producer's: every record is cut to fit it
+        retry_s: float = 60.0,  # how long a transient failure is retried before the worker gives up
+        ownership=None,  # a RevocationListener: answers of partitions that moved away are left to their new owner
     ) -> None:
         self.producer = producer
         self.cfg = cfg
         self.ledger = ledger
         self.on_settled = on_settled  # positions whose outcome the broker acked
-        self.counts = {"answers": 0, "error_answers": 0, "deltas": 0, "dead_letters": 0}
+        self.limit = max_request_size - SIZE_HEADROOM
+        self.retry_s = retry_s
+        self.ownership = ownership
+        self.counts = {"answers": 0, "error_answers": 0, "deltas": 0, "dead_letters": 0, "abandoned": 0}
         self._slots = anyio.Semaphore(max_in_flight)
         self._unwritable: set[str] = set()  # reply topics that failed: answer on answers_topic instead
+        self._unacked = 0
+        self._acked = anyio.Event()
         self._task_group = anyio.create_task_group()
 
     async def __aenter__(self) -> "Publisher":
@@ -74,57 +122,113 @@ class Publisher:
             case AnswerDelta():
                 pass  # the asker did not ask for a stream
 
+    async def quiesce(self, timeout: float = _ACK_WAIT_S) -> None:
+        """Wait (bounded) until every record sent so far is acked or has failed."""
+        with anyio.move_on_after(timeout):
+            while self._unacked:
+                await self._acked.wait()
+
     async def error_answer(self, answer: AnswerEvent, source: Position) -> None:
         """An answer for a question the engine never saw (invalid); settles `source` and its id."""
-        headers = _headers(answer.question_id, answer.request_id)
-        await self._send(self.cfg.answers_topic, answer.question_id.encode(), encode(answer), headers,
-                         "error_answers", settles=[source], question_id=answer.question_id)
+        await self._send(self._answer_record(self.cfg.answers_topic, answer, "error_answers", (source,),
+                                             answer.question_id))
 
     async def dead_letter(self, value: bytes | None, key: bytes | None, headers: Headers, source: Position,
                           reason: str, message: str) -> None:
         """The raw record, unchanged, plus headers saying why and where it came from."""
-        headers = [*headers,
-                   (m.HEADER_DLQ_REASON, reason.encode()), (m.HEADER_DLQ_MESSAGE, message.encode()),
-                   (m.HEADER_DLQ_TOPIC, source.topic.encode()),
-                   (m.HEADER_DLQ_PARTITION, str(source.partition).encode()),
-                   (m.HEADER_DLQ_OFFSET, str(source.offset).encode())]
-        await self._send(self.cfg.dlq_topic, key, value, headers, "dead_letters", settles=[source])
+        await self._send(self._dead_letter_record(value, key, headers, source, reason, message))
 
     async def forward(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, partition: int,
                       source: Position) -> None:
         """A record re-published to a chosen partition (`kev route`); settles `source` once acked."""
-        await self._send(topic, key, value, headers, "forwarded", settles=[source], partition=partition)
+        refused = partial(self._refused_forward, value, key, headers, source)
+        await self._send(_Record(topic, key, value, headers, "forwarded", (source,), partition=partition,
+                                 fallback=refused))
 
+    # -- building records ------------------------------------------------------------------------------
     async def _answer(self, answer: AnswerEvent, source: Inbound) -> None:
+        if not await self._still_ours(answer, source):
+            return
         topic = self._reply_topic(source.question.reply_topic)
-        key, headers = answer.question_id.encode(), _headers(answer.question_id, answer.request_id)
         kind = "error_answers" if answer.finish_reason == "error" else "answers"
-        settle = {"settles": [source.position], "question_id": source.question.question_id}
-        try:
-            await self._send(topic, key, encode(answer), headers, kind, **settle)
-        except MessageSizeTooLargeError as error:
-            too_large = error_answer(answer.question_id, answer.request_id, "answer_too_large", str(error))
-            await self._send(topic, key, encode(too_large), headers, "error_answers", **settle)
-        except KafkaError as error:
-            if topic == self.cfg.answers_topic:
-                raise
+        await self._send(self._answer_record(topic, answer, kind, (source.position,), source.question.question_id))
+
+    def _answer_record(self, topic: str, answer: AnswerEvent, kind: str, settles: tuple[Position, ...],
+                       question_id: str, *, last_try: bool = False) -> _Record:
+        fitted = cut_answer(answer, partial(self._answer_size, topic), self.limit)
+        if fitted is None:  # not even its ids fit: nothing can be answered, the DLQ says why
+            return self._unanswerable(answer, settles, question_id, "answer_ids_too_large")
+        if fitted is not answer:
+            log.warning("answer_truncated", question_id=question_id, text_chars=len(answer.text),
+                        kept_chars=len(fitted.text), limit=self.limit)
+        reply = topic != self.cfg.answers_topic
+        fallback = None if last_try else partial(self._refused_answer, topic, answer, kind, settles, question_id)
+        return _Record(topic, fitted.question_id.encode(), encode(fitted), _answer_headers(fitted), kind,
+                       settles, question_id, reply=reply, fallback=fallback)
+
+    def _answer_size(self, topic: str, answer: AnswerEvent) -> int:
+        return record_size(answer.question_id.encode(), encode(answer), _answer_headers(answer))
+
+    def _refused_answer(self, topic: str, answer: AnswerEvent, kind: str, settles: tuple[Position, ...],
+                        question_id: str, error: BaseException) -> _Record:
+        if topic != self.cfg.answers_topic:
             # A reply_topic we cannot write to must not lose the answer, nor stall the next ones on it.
-            log.warning("reply_topic_failed", topic=topic, question_id=answer.question_id, error=repr(error))
             self._mark_unwritable(topic)
-            await self._send(self.cfg.answers_topic, key, encode(answer), headers, kind, **settle)
+            return self._answer_record(self.cfg.answers_topic, answer, kind, settles, question_id)
+        code = "answer_too_large" if is_too_large(error) else "answer_unpublishable"
+        replacement = error_answer(answer.question_id, answer.request_id, code,
+                                   f"the answer could not be published: {short_error(error)}")
+        record = self._answer_record(topic, replacement, "error_answers", settles, question_id, last_try=True)
+        # Should the error answer be refused too, the question ends in the DLQ.
+        return _with_fallback(record, lambda _: self._unanswerable(answer, settles, question_id, code))
+
+    def _unanswerable(self, answer: AnswerEvent, settles: tuple[Position, ...], question_id: str,
+                      reason: str) -> _Record:
+        source = settles[0]
+        message = f"no answer for question {question_id[:200]!r} fits a record of {self.limit} bytes"
+        record = self._dead_letter_record(None, question_id.encode()[:_MAX_KEY], [], source, reason, message)
+        return _Record(record.topic, record.key, record.value, record.headers, "dead_letters", settles,
+                       question_id)
+
+    def _dead_letter_record(self, value: bytes | None, key: bytes | None, headers: Headers, source: Position,
+                            reason: str, message: str) -> _Record:
+        why = [(m.HEADER_DLQ_REASON, reason.encode()), (m.HEADER_DLQ_MESSAGE, message.encode()[:1000]),
+               (m.HEADER_DLQ_TOPIC, source.topic.encode()),
+               (m.HEADER_DLQ_PARTITION, str(source.partition).encode()),
+               (m.HEADER_DLQ_OFFSET, str(source.offset).encode())]
+        full = [*headers, *why]
+        if record_size(key, value, full) > self.limit:
+            # Too large to park whole: keep the reasons and as much of the value as fits.
+            key = key[:_MAX_KEY] if key else key
+            full = [*why, (HEADER_DLQ_CUT, str(len(value or b"")).encode())]
+            room = self.limit - record_size(key, b"", full)
+            value = value[:max(0, room)] if value is not None else None
+            if key is None and value is None:
+                value = b""
+        return _Record(self.cfg.dlq_topic, key, value, full, "dead_letters", (source,))
+
+    def _refused_forward(self, value, key, headers: Headers, source: Position, error: BaseException) -> _Record:
+        return self._dead_letter_record(value, key, headers, source, "forward_failed", short_error(error))
 
     async def _delta(self, delta: AnswerDelta, source: Inbound) -> None:
         topic = self._reply_topic(source.question.reply_topic)
         topic = self.cfg.deltas_topic if topic == self.cfg.answers_topic else topic
-        key, headers = delta.question_id.encode(), _headers(delta.question_id, source.question.request_id)
-        try:
-            await self._send(topic, key, encode(delta), headers, "deltas")
-        except KafkaError as error:
-            if topic == self.cfg.deltas_topic:
-                raise
-            log.warning("reply_topic_failed", topic=topic, question_id=delta.question_id, error=repr(error))
-            self._mark_unwritable(topic)  # the answer goes to answers_topic too
-            await self._send(self.cfg.deltas_topic, key, encode(delta), headers, "deltas")
+        await self._send(self._delta_record(topic, delta, source.question.request_id))
+
+    def _delta_record(self, topic: str, delta: AnswerDelta, request_id: str | None) -> _Record:
+        headers = _headers(delta.question_id, request_id)
+        if topic == self.cfg.deltas_topic:
+            fallback = self._dropped_delta
+        else:
+            def fallback(_error: BaseException) -> _Record:
+                self._mark_unwritable(topic)  # the answer goes to answers_topic too
+                return self._delta_record(self.cfg.deltas_topic, delta, request_id)
+        return _Record(topic, delta.question_id.encode(), encode(delta), headers, "deltas",
+                       reply=topic != self.cfg.deltas_topic, fallback=fallback)
+
+    @staticmethod
+    def _dropped_delta(error: BaseException) -> None:
+        return None  # a delta is a preview: its answer still carries the whole text
 
     def _mark_unwritable(self, topic: str) -> None:
         if len(self._unwritable) >= _MAX_UNWRITABLE:
@@ -140,31 +244,103 @@ class Publisher:
             return self.cfg.answers_topic
         return requested
 
-    async def _send(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, kind: str, *,
-                    settles: Sequence[Position] = (), question_id: str | None = None,
-                    partition: int | None = None) -> None:
+    async def _still_ours(self, answer: AnswerEvent, source: Inbound) -> bool:
+        """False when the source's partition (and any redelivery's) moved to another worker, which will
+        answer it from the last commit: publishing here too would be a duplicate."""
+        if self.ownership is None:
+            return True
+        for position in (source.position, *self.ledger.waiting(answer.question_id)):
+            if await self.ownership.owns(position.partition_key):
+                return True
+        self.ledger.abandon(answer.question_id)
+        self.counts["abandoned"] += 1
+        log.info("answer_left_to_new_owner", question_id=answer.question_id, source_partition=source.partition,
+                 source_offset=source.offset)
+        return False
+
+    # -- sending and settling --------------------------------------------------------------------------
+    async def _send(self, record: _Record) -> None:
+        """Queue the record (in call order, so one question's deltas precede its answer); a task settles it."""
         await self._slots.acquire()
         try:
-            delivery = await self.producer.send(topic, value=value, key=key, headers=headers, partition=partition)
+            pending = await self._try_send(record)
         except BaseException:
             self._slots.release()
             raise
-        self._task_group.start_soon(self._settle, delivery, topic, kind, list(settles), question_id)
+        self._unacked += 1
+        self._task_group.start_soon(self._settle, record, pending)
 
-    async def _settle(self, delivery: asyncio.Future, topic: str, kind: str, settles: list[Position],
-                      question_id: str | None) -> None:
+    async def _try_send(self, record: _Record) -> asyncio.Future | Exception:
         try:
-            metadata = await delivery  # raises if the broker never acked: the source stays unsettled
+            return await self.producer.send(record.topic, value=record.value, key=record.key, headers=record.headers,
+                                            partition=record.partition)
+        except Exception as error:  # noqa: BLE001 - sorted in _deliver, like a failed ack
+            return error
+
+    async def _settle(self, record: _Record, pending: asyncio.Future | Exception) -> None:
+        try:
+            delivered = await self._deliver(record, pending)
         finally:
             self._slots.release()
-        self.counts[kind] = self.counts.get(kind, 0) + 1  # "forwarded" appears only in kev route
-        if question_id is not None:
-            settles += self.ledger.finish(question_id)
+            self._unacked -= 1
+            self._acked.set()
+            self._acked = anyio.Event()
+        if delivered is None:
+            return
+        record, metadata = delivered
+        self.counts[record.kind] = self.counts.get(record.kind, 0) + 1  # "forwarded" appears only in kev route
+        settles = list(record.settles)
+        if record.question_id is not None:
+            settles += self.ledger.finish(record.question_id)
         if settles:
             self.on_settled(settles)
             source = settles[0]
-            log.info("published", kind=kind, topic=topic, partition=metadata.partition, offset=metadata.offset,
-                     question_id=question_id, source_partition=source.partition, source_offset=source.offset)
+            log.info("published", kind=record.kind, topic=record.topic, partition=metadata.partition,
+                     offset=metadata.offset, question_id=record.question_id, source_partition=source.partition,
+                     source_offset=source.offset)
+
+    async def _deliver(self, record: _Record, pending: asyncio.Future | Exception):
+        """(the record acked, its metadata), or None when it was dropped; raises PublishFailed."""
+        retries = Retries(self.retry_s)
+        while True:
+            try:
+                if isinstance(pending, Exception):
+                    raise pending
+                return record, await pending
+            except Exception as error:  # noqa: BLE001 - every failure is sorted below
+                following = self._after_failure(record, error, retries)
+            if following is None:
+                return None
+            if following is record:
+                await retries.wait()
+            else:
+                retries = Retries(self.retry_s)
+            record = following
+            pending = await self._try_send(record)
+
+    def _after_failure(self, record: _Record, error: Exception, retries: Retries) -> _Record | None:
+        """The record to send next (the same one to retry it), or None to drop it; raises PublishFailed."""
+        refused = record.reply or (is_record_level(error) and not is_transient(error))
+        if refused and record.fallback is not None:
+            log.warning("publish_refused", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
+                        error=short_error(error))
+            return record.fallback(error)
+        if is_transient(error) and not retries.exhausted():
+            log.warning("publish_retrying", kind=record.kind, topic=record.topic, question_id=record.question_id,
+                        attempt=retries.attempts + 1, error=short_error(error))
+            return record
+        waited = f" after retrying for {retries.elapsed():.0f}s" if retries.attempts else ""
+        raise PublishFailed(f"cannot publish {record.kind} to topic {record.topic!r}{waited}: {short_error(error)}") \
+            from error
+
+
+def _with_fallback(record: _Record, fallback: Callable[[BaseException], _Record | None]) -> _Record:
+    return _Record(record.topic, record.key, record.value, record.headers, record.kind, record.settles,
+                   record.question_id, record.partition, record.reply, fallback)
+
+
+def _answer_headers(answer: AnswerEvent) -> Headers:
+    return _headers(answer.question_id, answer.request_id)
 
 
 def _headers(question_id: str, request_id: str | None) -> Headers:

@@ -8,10 +8,18 @@ aiokafka is asyncio-only: build and run this on anyio's asyncio backend. Shutdow
 `worker.stop_intake()`; the inbox closes, the engine drains and closes its outbox, every answer in
 flight is acked, the settled offsets are committed, then `run()` returns. Cancelled instead, it
 commits what is already settled (shielded, bounded) and unsettled questions are redelivered later.
+An answer that cannot be published even after retries ends `run()` with PublishFailed (settled
+offsets committed first): the worker cannot go on, and its caller should exit non-zero.
+
+`healthy()` says whether the loop is consuming: it has polled within `health_window_s` (a paused
+partition is still polled).
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from consumers.backpressure import Watermarks
 from consumers.broker import EMBEDDED
 from consumers.committer import Committer, RevocationListener
+from consumers.delivery import PublishFailed
 from consumers.intake import Intake
 from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
@@ -34,6 +43,9 @@ from consumers.publisher import Publisher
 from consumers.security import client_options
 from consumers.topics import ensure_topics
 from schemas import KafkaConfig
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 log = structlog.get_logger("kev.consumers.worker")
 
@@ -61,6 +73,7 @@ class KafkaStatistics:
     commits: int
     pauses: int
     resumes: int
+    abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
 
 
 class KafkaWorker:
@@ -77,7 +90,10 @@ class KafkaWorker:
         shutdown_timeout: float = 10.0,
         create_topics: bool = True,
         consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
-        producer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaProducer kwargs
+        producer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaProducer kwargs (may override any)
+        publish_retry_s: float | None = None,  # default: cfg.publish_retry_ms
+        commit_debounce_s: float = 0.05,  # a settled offset is committed this soon (settles close together share it)
+        health_window_s: float = 30.0,
     ) -> None:
         if cfg.bootstrap_servers == EMBEDDED:
             raise ValueError('bootstrap_servers is "embedded": start it first with consumers.embedded_kafka(cfg)')
@@ -91,6 +107,9 @@ class KafkaWorker:
         self.create_topics = create_topics
         self.consumer_options = dict(consumer_options or {})
         self.producer_options = dict(producer_options or {})
+        self.publish_retry_s = cfg.publish_retry_ms / 1000 if publish_retry_s is None else publish_retry_s
+        self.health_window_s = health_window_s
+        self.commit_debounce_s = commit_debounce_s
         self.tracker = OffsetTracker()
         self.ledger = QuestionLedger(dedup_capacity)
         self.consumer: AIOKafkaConsumer | None = None  # built in run(): aiokafka wants a running loop
@@ -101,8 +120,28 @@ class KafkaWorker:
         self._intake: Intake | None = None
         self._publisher: Publisher | None = None
         self._intake_scope = anyio.CancelScope()
+        self._serving = False  # between the loop's start and its end
+
+    def healthy(self) -> bool:
+        """The Kafka loop is running and has polled for questions within `health_window_s`."""
+        if not self._serving or self._intake is None:
+            return False
+        last_poll = getattr(self._intake, "last_poll", None)
+        return last_poll is not None and time.monotonic() - last_poll <= self.health_window_s
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until the engine closes its outbox; raises PublishFailed when an answer cannot go out."""
+        try:
+            await self._run(task_status)
+        except BaseExceptionGroup as group:  # task groups wrap it: hand the caller the one error that matters
+            failed, _rest = group.split(PublishFailed)
+            if failed is None:
+                raise
+            while isinstance(failed, BaseExceptionGroup):
+                failed = failed.exceptions[0]
+            raise failed from None
+
+    async def _run(self, task_status: TaskStatus[None]) -> None:
         self._build_clients()
         try:
             if self.create_topics:
@@ -133,12 +172,14 @@ class KafkaWorker:
             **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS, **self.consumer_options},
         )
         # acks=all without idempotence: Tansu rejects idempotent producers (InitProducerId).
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=cfg.bootstrap_servers, acks="all", enable_idempotence=False,
-            **security, **self.producer_options,
-        )
+        self.producer = AIOKafkaProducer(**{
+            "bootstrap_servers": cfg.bootstrap_servers, "acks": "all", "enable_idempotence": False,
+            "max_request_size": cfg.max_request_size,
+            # A first try need not outlast the whole retry budget (aiokafka's default is 40 s).
+            "request_timeout_ms": min(40_000, cfg.publish_retry_ms), **security, **self.producer_options,
+        })
         self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
-                                   every=cfg.commit_every)
+                                   every=cfg.commit_every, debounce_s=self.commit_debounce_s)
         self.listener = RevocationListener(self.committer, on_assigned=self._assigned.set)
 
     def stop_intake(self) -> None:
@@ -153,7 +194,7 @@ class KafkaWorker:
         intake = self._intake.counts if self._intake else dict.fromkeys(
             ("records", "questions", "duplicates", "pauses", "resumes"), 0)
         published = self._publisher.counts if self._publisher else dict.fromkeys(
-            ("answers", "error_answers", "deltas", "dead_letters"), 0)
+            ("answers", "error_answers", "deltas", "dead_letters", "abandoned"), 0)
         consumer = self.consumer
         return KafkaStatistics(
             assigned=_partitions(consumer.assignment() if consumer else ()),
@@ -163,16 +204,24 @@ class KafkaWorker:
         )
 
     async def _serve(self, task_status: TaskStatus[None]) -> None:
+        max_request_size = self.producer_options.get("max_request_size", self.cfg.max_request_size)
         async with anyio.create_task_group() as tg:
-            async with Publisher(self.producer, self.cfg, self.ledger, self._settled) as publisher:
+            async with Publisher(self.producer, self.cfg, self.ledger, self._settled, max_request_size=max_request_size,
+                                 retry_s=self.publish_retry_s, ownership=self.listener) as publisher:
                 self._publisher = publisher
+                self.listener.before_commit = publisher.quiesce  # acks in flight are committed on revocation
                 self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,
                                       self._settled, self.questions_out, self.watermarks,
-                                      max_records=self.max_records)
+                                      max_records=self.max_records, trust=self.cfg.trust,
+                                      limits=self.cfg.limits)
                 tg.start_soon(self.committer.run)
                 tg.start_soon(self._run_intake)
-                task_status.started()
-                await publisher.run(self.answers_in)
+                self._serving = True
+                try:
+                    task_status.started()
+                    await publisher.run(self.answers_in)
+                finally:
+                    self._serving = False
             # The engine closed its outbox and every ack is in: nothing more will settle.
             tg.cancel_scope.cancel()
 
@@ -208,3 +257,10 @@ async def _quietly(stopping) -> None:
         await stopping
     except KafkaError as error:
         log.warning("kafka_stop_failed", error=repr(error))
+    except asyncio.CancelledError:
+        # With the broker gone, aiokafka's stop() awaits its own cancelled heartbeat task and passes that
+        # task's CancelledError on: not a cancel of ours, and it would hide why the loop stopped.
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        log.warning("kafka_stop_failed", error="a client task's cancellation leaked out of stop()")

@@ -14,20 +14,24 @@ import os
 import socket
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_reader
+from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_audit, run_control_reader
 from engine import Engine, EngineOptions, load_model
+from engine.loader import cache_dir
 from kev_async.engine_actor import Cancel, LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
+from kev_async.engine_state import ControlState
+from kev_async.kafka_loop import KafkaLoopWatch
 from kev_async.observe.metrics import Metrics
 from kev_async.runtime.actors import Mailbox, ask
 from kev_async.runtime.lifecycle import Shutdown
 from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
-from schemas import ControlEvent, KafkaConfig, KevConfig
+from schemas import AdaptersConfig, ControlEvent, KafkaConfig, KevConfig
 
 log = structlog.get_logger("kev.app")
 
@@ -87,40 +91,50 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)
     metrics = Metrics(log_prompts=cfg.logging.log_prompts)
     metrics.watch_mailboxes(questions, answers)
-    async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka) as kafka_cfg:
+    async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka, cfg.broker) as kafka_cfg:
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options)
         metrics.watch_kafka(worker)
+        kafka_watch = KafkaLoopWatch(shutdown)
         supervisor = Supervisor("kev", [
             # The scheduler starts first and is restarted alone if it crashes (its questions get error
             # answers); a broken Kafka connection is not retried here: the process exits non-zero and
             # Kafka redelivers whatever was not committed.
             Child("scheduler", partial(engine_actor, wrap=metrics.wrap(Outbound),
-                                       engine_factory=lambda: metrics.watch_engine(Engine(model, options))),
+                                       engine_factory=lambda: metrics.watch_engine(Engine(model, options)),
+                                       state=ControlState()),  # shared by every start: adapters, defaults
                   (questions.receive, answers.send), RestartPolicy(max_restarts=3, within_s=60)),
             # Control commands next: it is ready once the commands already on the control topic are applied,
             # so the questions taken after it see those adapters and defaults. A crash restarts it (it
             # replays the topic again); its own clone of the inbox's send end closes when it ends.
-            Child("control", control_actor, (kafka_cfg, questions, shutdown),
+            Child("control", control_actor, (kafka_cfg, questions, shutdown, cfg.adapters),
                   RestartPolicy(max_restarts=3, within_s=60, backoff_s=1.0)),
-            Child("kafka", worker.run, policy=RestartPolicy(restart="temporary")),
+            # Last, and never restarted in place: if it ends on its own the watch stops the service and
+            # raises KafkaLoopFailed (`kev serve` exits 1), so the process is restarted from outside.
+            Child("kafka", partial(kafka_watch.run, worker), policy=RestartPolicy(restart="temporary")),
         ])
         async with anyio.create_task_group() as tg:
+            kafka_watch.scope = tg.cancel_scope
             await tg.start(supervisor.run)
             log.info("kev.ready", bootstrap_servers=kafka_cfg.bootstrap_servers, worker=name,
                      model=model.name, questions_topic=kafka_cfg.questions_topic)
             task_status.started(Running(kafka_cfg.bootstrap_servers, name, model.name))
             await shutdown.requested.wait()
             worker.stop_intake()  # the engine drains, answers are acked, offsets committed; then run() returns
+        kafka_watch.raise_if_failed()
 
 
-async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Shutdown, *,
-                        reader=run_control_reader, timeout: float = CONTROL_TIMEOUT_S,
+async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Shutdown,
+                        adapters: AdaptersConfig = AdaptersConfig(), *,
+                        reader=run_control_reader, audit=run_control_audit, timeout: float = CONTROL_TIMEOUT_S,
                         task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Apply the control topic's commands through the engine actor's inbox until shutdown is requested.
+    """Apply the control topic's signed commands through the engine actor's inbox until shutdown is requested.
 
     Sends on a clone of the inbox's send end, closed when this actor ends, so the inbox still ends
     once the Kafka intake closes the original (the engine's graceful stop). Ready once every command
     already on the topic has been applied; each command is sent with `ask` and applied before the next.
+    Adapters load only from under `adapters.root`. Once ready it also joins the control audit
+    (consumers/control_audit.py: dead letters for rejected commands, one per record for the fleet);
+    `audit=None` leaves it out.
     """
     started = False
     with shutdown.intake():
@@ -130,7 +144,7 @@ async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Sh
             inbox = None
         if inbox is not None:
             with inbox:
-                applier = _ControlApplier(inbox, timeout)
+                applier = _ControlApplier(inbox, timeout, adapters_root(adapters))
                 send, receive = anyio.create_memory_object_stream[tuple[ControlEvent, int]](16)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(applier.run, receive)
@@ -139,17 +153,38 @@ async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Sh
                                               kafka_cfg, send)
                     await applier.wait_applied(replayed)
                     log.info("control.ready", topic=kafka_cfg.control_topic, replayed=replayed)
+                    if audit is not None:
+                        tg.start_soon(partial(audit, kafka_cfg, consumer_options=consumer_options(False)))
                     started = True
                     task_status.started()
     if not started:  # shut down before it was ready: still let the supervisor go on
         task_status.started()
 
 
+def adapters_root(adapters: AdaptersConfig) -> Path:
+    """Where load_adapter may read from: `adapters.root`, else `adapters` in Kev's cache directory."""
+    return Path(adapters.root).expanduser() if adapters.root else cache_dir() / "adapters"
+
+
+class AdapterPathRefused(ValueError):
+    """A load_adapter path that resolves outside adapters.root."""
+
+
+def adapter_path(root: Path, requested: str) -> Path:
+    """The command's path resolved (symlinks followed; a relative one under `root`), if it lies under root."""
+    resolved_root = root.resolve()
+    path = (root / requested).resolve()  # an absolute `requested` replaces root
+    if not path.is_relative_to(resolved_root):
+        raise AdapterPathRefused(f"path {requested[:200]!r} resolves to {str(path)[:200]!r}, outside "
+                                 f"adapters.root {str(resolved_root)!r}")
+    return path
+
+
 class _ControlApplier:
     """Turns each ControlEvent into the engine actor's message and waits for its outcome."""
 
-    def __init__(self, inbox: MemoryObjectSendStream, timeout: float) -> None:
-        self.inbox, self.timeout = inbox, timeout
+    def __init__(self, inbox: MemoryObjectSendStream, timeout: float, root: Path) -> None:
+        self.inbox, self.timeout, self.root = inbox, timeout, root
         self.applied = 0  # commands handled, whatever their outcome
         self._progress = anyio.Event()
 
@@ -171,13 +206,13 @@ class _ControlApplier:
             await self.inbox.send(Cancel(event.question_id))
             log.info("control.cancel", question_id=event.question_id)
             return
-        if event.action == "load_adapter":
-            body = LoadAdapter(event.name, event.path, command_id=offset)
-        elif event.action == "unload_adapter":
-            body = UnloadAdapter(event.name, command_id=offset)
-        else:
-            body = UpdateDefaults(dict(event.defaults or {}), command_id=offset)
         try:
+            if event.action == "load_adapter":
+                body = LoadAdapter(event.name, adapter_path(self.root, event.path), command_id=offset)
+            elif event.action == "unload_adapter":
+                body = UnloadAdapter(event.name, command_id=offset)
+            else:
+                body = UpdateDefaults(dict(event.defaults or {}), command_id=offset)
             result = await ask(self.inbox, body, self.timeout)
         except Exception as error:  # noqa: BLE001 - a bad command is logged; the next one still applies
             reason = f"adapter {event.name!r} is not loaded" if isinstance(error, KeyError) else str(error)

@@ -2,7 +2,10 @@
 workers' JSON logs (kev_async/drill.py runs the drill).
 
 - exactly one final answer per question: every question answered; redelivery duplicates counted,
-  and each duplicate equal to the first (text, token ids, finish reason);
+  and each duplicate equal to the first (text, token ids, finish reason); no more duplicates than a
+  SIGKILL can explain: the answers the killed worker had published whose offsets the group had not
+  yet committed when it died (its other questions were never answered by it, and a graceful stop or
+  a rebalance duplicates nothing: answers whose partition moved are left to the new owner);
 - commit after ack: every "committed" line a worker logged (the committer, after the broker
   accepted the commit) covers only offsets whose question some worker had logged "published"
   (after the broker acked the answer) no later; the group's final commit covers every question;
@@ -25,6 +28,9 @@ class DrillResult(msgspec.Struct, kw_only=True):
     missing: list[str] = []
     answer_records: int = 0
     duplicates: int = 0  # answer records beyond the first per question
+    # The most duplicates the faults explain: per SIGKILLed worker, the questions it had answered whose
+    # offsets were not committed at the kill (answers on the topic by it, or its "published" lines).
+    duplicate_bound: int = 0
     duplicates_differing: list[str] = []
     error_answers: int = 0
     prompt_tokens: int = 0  # over first answers
@@ -57,15 +63,19 @@ def log_events(text: str, event: str) -> list[dict]:
 
 
 def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, tuple[str, int | None, str]],
-              committed: dict[int, int | None], questions_topic: str) -> DrillResult:
-    """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text)."""
+              committed: dict[int, int | None], questions_topic: str,
+              killed: dict[str, tuple[str, datetime]] | None = None) -> DrillResult:
+    """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text);
+    `killed`: SIGKILLed worker -> (its audit name, as answers carry it; when it was killed, UTC)."""
     result = DrillResult(questions=len(sent), answer_records=len(answers))
     _check_answers(result, sent, answers)
     _check_commits(result, sent, logs, committed, questions_topic)
+    result.duplicate_bound = _duplicate_bound(sent, answers, logs, questions_topic, killed or {})
     _check_pools(result, logs)
     result.workers = {name: f"{fate}, exit {code}" for name, (fate, code, _) in logs.items()}
     result.ok = (not result.missing and not result.duplicates_differing and not result.commits_before_ack
-                 and result.final_commit_covers_all and not result.kv_leaks and result.commits_checked > 0)
+                 and result.final_commit_covers_all and not result.kv_leaks and result.commits_checked > 0
+                 and result.duplicates <= result.duplicate_bound)
     return result
 
 
@@ -99,19 +109,46 @@ def _content(answer) -> tuple:
     return answer.text, tuple(answer.token_ids), answer.finish_reason, answer.error
 
 
-def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str) -> None:
-    acked = {}  # question_id -> earliest "published" time over every worker
-    commits = []  # (time, partition, position)
+def _published(text: str) -> list[dict]:
+    """A worker's "published" lines for answers (error answers included), logged after the broker's ack."""
+    return [line for line in log_events(text, "published")
+            if line.get("question_id") is not None and line.get("kind") in ("answers", "error_answers")]
+
+
+def _commits(logs: dict, topic: str) -> list[tuple[datetime, int, int, str]]:
+    """(time, partition, position, worker) of every "committed" line, logged after the broker accepted it."""
+    commits = []
     for name, (_fate, _code, text) in logs.items():
-        for line in log_events(text, "published"):
-            if line.get("question_id") is not None and line.get("kind") in ("answers", "error_answers"):
-                at = _time(line)
-                acked[line["question_id"]] = min(at, acked.get(line["question_id"], at))
         for line in log_events(text, "committed"):
             for key, position in line["positions"].items():
                 name_, _, partition = key.rpartition(":")
                 if name_ == topic:
                     commits.append((_time(line), int(partition), position, name))
+    return commits
+
+
+def _duplicate_bound(sent: dict, answers: list, logs: dict, topic: str, killed: dict) -> int:
+    commits = _commits(logs, topic)
+    bound = 0
+    for name, (audit_name, at) in killed.items():
+        position = {}  # partition -> the group's commit position when `name` was killed
+        for when, partition, committed_to, _worker in commits:
+            if when <= at:
+                position[partition] = max(position.get(partition, 0), committed_to)
+        # Its answers on the topic also count those acked too late for its "published" line.
+        theirs = {line["question_id"] for line in _published(logs.get(name, ("", None, ""))[2])}
+        theirs |= {answer.question_id for answer, _ in answers if answer.audit.worker == audit_name}
+        bound += sum(1 for qid in theirs if qid in sent and sent[qid][1] >= position.get(sent[qid][0], 0))
+    return bound
+
+
+def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str) -> None:
+    acked = {}  # question_id -> earliest "published" time over every worker
+    for _name, (_fate, _code, text) in logs.items():
+        for line in _published(text):
+            at = _time(line)
+            acked[line["question_id"]] = min(at, acked.get(line["question_id"], at))
+    commits = _commits(logs, topic)
     by_offset = defaultdict(dict)  # partition -> offset -> question_id
     for qid, (partition, offset) in sent.items():
         by_offset[partition][offset] = qid

@@ -178,10 +178,10 @@ async def test_a_question_id_seen_again_is_not_answered_twice(kafka_broker):
 
 
 async def test_revoked_partitions_commit_what_is_settled(kafka_broker):
-    # Interval and count triggers far away: only the rebalance listener can commit here.
+    # Interval, count and debounce triggers far away: only the rebalance listener can commit here.
     cfg = kafka_config(kafka_broker, partitions=2, commit_interval_ms=600_000, commit_every=1000)
     bootstrap = kafka_broker.bootstrap_servers
-    async with running_worker(cfg) as worker:
+    async with running_worker(cfg, commit_debounce_s=600.0) as worker:
         sent = await produce(bootstrap, cfg.questions_topic, [question(f"rv{i}") for i in range(4)])
         await read_topic(bootstrap, cfg.answers_topic, 4, linger=0)
         await wait_until(lambda: worker.statistics().in_flight == 0)
@@ -200,14 +200,20 @@ async def test_revoked_partitions_commit_what_is_settled(kafka_broker):
 
 
 async def test_reply_topic_and_streaming_deltas(kafka_broker):
-    cfg = kafka_config(kafka_broker, partitions=1)
+    from kafka_fixtures import produce_records
+    from schemas import TrustConfig
+    from schemas.signing import QUESTION, Signer
+
+    trust = TrustConfig(keys={"t": "a-secret-for-the-tests"})  # a reply_topic is honoured only when signed
+    cfg = kafka_config(kafka_broker, partitions=1, trust=trust)
     bootstrap = kafka_broker.bootstrap_servers
-    reply_topic = f"{cfg.answers_topic}-private"
+    reply_topic = f"kev.replies.{cfg.answers_topic}-private"  # as kafka.trust.reply_topic_pattern wants
     async with running_worker(cfg):
-        await produce(bootstrap, cfg.questions_topic, [
-            question("private", reply_topic=reply_topic),
-            question("streamed", stream=True),
-            question("misaddressed", reply_topic="no such topic!"),
+        private = question("private", reply_topic=reply_topic)
+        await produce_records(bootstrap, cfg.questions_topic, [
+            (None, private, Signer.from_config(trust).headers(private, QUESTION)),
+            (None, question("streamed", stream=True), []),
+            (None, question("misaddressed", reply_topic="no such topic!"), []),
         ])
         private = await read_topic(bootstrap, reply_topic, 1)
         public = await read_topic(bootstrap, cfg.answers_topic, 2)
@@ -228,6 +234,16 @@ async def test_commits_every_n_settled_records_without_waiting_for_the_interval(
         await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
 
 
+async def test_a_settled_record_is_committed_promptly_without_waiting_for_the_interval(kafka_broker):
+    # What is acked but not committed is answered again after a SIGKILL: commits follow acks within ~50 ms.
+    cfg = kafka_config(kafka_broker, partitions=1, commit_interval_ms=600_000, commit_every=1000)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with running_worker(cfg) as worker:
+        await produce(bootstrap, cfg.questions_topic, [question("prompt")])
+        await wait_until(lambda: worker.statistics().answers == 1)
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 1}, timeout=2.0)
+
+
 async def test_a_cancelled_worker_commits_what_is_settled_and_nothing_more(kafka_broker):
     cfg = kafka_config(kafka_broker, partitions=1, commit_interval_ms=600_000, commit_every=1000)
     bootstrap = kafka_broker.bootstrap_servers
@@ -242,7 +258,8 @@ async def test_a_cancelled_worker_commits_what_is_settled_and_nothing_more(kafka
                                                        question("s3")])
         await read_topic(bootstrap, cfg.answers_topic, 3, linger=0)
         await wait_until(lambda: worker.statistics().answers == 3)
-        assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
+        # Settled offsets are committed promptly (s0, s1 may already be), never past "stuck".
+        assert (await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1))[0] in (None, 2)
         tg.cancel_scope.cancel()
 
     # s3 is answered too, but behind the unanswered "stuck" (offset 2): it must be asked again.
@@ -265,3 +282,27 @@ async def test_two_workers_in_one_group_share_the_partitions_and_answer_everythi
     # At least once: a question in flight at the rebalance may be answered by both workers.
     assert {r.key.decode() for r in answers} == {f"w{i}" for i in range(40)}
     assert all(shares) and not shares[0] & shares[1]
+
+
+async def test_answers_of_a_partition_that_moved_away_are_left_to_its_new_owner(kafka_broker):
+    # The first worker holds six questions unanswered while a second joins and takes one partition; the
+    # second answers that partition's questions from the last commit, the first answers only its own.
+    cfg = kafka_config(kafka_broker, partitions=2)
+    bootstrap = kafka_broker.bootstrap_servers
+    held = HoldingEngine()
+    async with running_worker(cfg, held) as first:
+        sent = await produce(bootstrap, cfg.questions_topic, [question(f"m{i}") for i in range(6)])
+        await wait_until(lambda: len(held.received) == 6)
+        async with running_worker(cfg) as second:
+            await wait_until(lambda: len(first.statistics().assigned) == 1 == len(second.statistics().assigned))
+            (moved,) = second.statistics().assigned
+            on_moved = {f"m{i}" for i, (partition, _) in enumerate(sent) if partition == moved.partition}
+            assert on_moved and len(on_moved) < 6  # both partitions have questions
+            await read_topic(bootstrap, cfg.answers_topic, len(on_moved), linger=0)
+            held.release.set()
+            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
+            answers = await read_topic(bootstrap, cfg.answers_topic, 6, linger=1.0)
+            left = first.statistics().abandoned
+
+    assert sorted(r.key.decode() for r in answers) == sorted(f"m{i}" for i in range(6))  # each exactly once
+    assert left == len(on_moved)

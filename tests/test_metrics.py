@@ -217,6 +217,8 @@ async def test_endpoint_answers_only_get_metrics_and_a_taken_port_is_a_clear_err
     async with metrics.endpoint(free_port()) as port:
         assert (await http_get(port, "/"))[0] == 404
         assert (await http_get(port, "/metrics", "POST"))[0] == 405
+        # A liveness probe: healthy or not, nothing more (no Kafka loop watched: nothing to be unhealthy about).
+        assert (await http_get(port, "/health"))[::2] == (200, '{"status":"ok"}')
         status, headers, body = await http_get(port, "/metrics", "HEAD")
         assert status == 200 and body == "" and int(headers["Content-Length"]) > 0
         async with await anyio.connect_tcp("127.0.0.1", port) as rude:  # garbage, then hang up
@@ -295,6 +297,8 @@ async def test_serve_exports_engine_and_kafka_metrics(kafka_broker, model, monke
                         and len([n for n, _ in scraped if n == "kev_consumer_lag"]) == 2):
                     break
                 await anyio.sleep(0.1)
+            status, headers, body = await http_get(port, "/health")  # the Kafka loop is consuming
+            assert (status, body, headers["Content-Type"]) == (200, '{"status":"ok"}', "application/json")
             url = f"http://127.0.0.1:{port}/metrics"
             top_rc = await anyio.to_thread.run_sync(kev, ["top", "--once", "--url", url, "--interval", "0.1"])
             shutdown.request("test over")

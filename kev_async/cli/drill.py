@@ -12,11 +12,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "drill", help="fault drill: kill, add and stop workers mid-stream, then check nothing was lost",
         description="Start the embedded broker and --workers `kev serve` processes in one group, publish "
                     "--questions questions over --spread seconds, SIGKILL one worker at 25%% answered and start "
-                    "a new one, SIGTERM another at 55%%, then check: every question has exactly one final "
+                    "a new one, SIGKILL the broker at 40%% and restart it on its data (durable storage under "
+                    "--workdir), SIGTERM another worker at 55%%, then check: every question has exactly one final "
                     "answer (redelivery duplicates counted, and identical), no offset was committed before its "
                     "answer was acked, every gracefully stopped worker's KV pool is all free. Workers run "
-                    "deterministic mode at temperature 0. A broker restart is skipped: the bundled Tansu keeps "
-                    "memory only. --no-faults makes it a plain throughput run (default mode; --spread 0 --pin "
+                    "deterministic mode at temperature 0. --no-faults makes it a plain throughput run (default mode; --spread 0 --pin "
                     "for the scaling table).")
     drill.add_argument("--questions", type=int, default=400)
     drill.add_argument("--workers", type=int, default=3)
@@ -43,7 +43,8 @@ def _drill(args: argparse.Namespace) -> int:
     result = anyio.run(run_drill, options, backend="asyncio")
     (options.workdir / "report.json").write_bytes(result_json(result))
     print(f"\n{result.answered}/{result.questions} answered, {result.answer_records} answer records "
-          f"({result.duplicates} duplicates, {len(result.duplicates_differing)} differing), "
+          f"({result.duplicates} duplicates, at most {result.duplicate_bound} explained by the SIGKILL; "
+          f"{len(result.duplicates_differing)} differing), "
           f"{result.error_answers} error answers; {result.answers_per_s} answers/s over {result.seconds:.1f}s")
     print(f"commits checked: {result.commits_checked}, before their answer's ack: {len(result.commits_before_ack)}; "
           f"final commit covers every question: {result.final_commit_covers_all}")

@@ -17,7 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "them in packed forwards, publish answers to kafka.answers_topic and commit offsets after "
                     "the broker acks each outcome. bootstrap_servers 'embedded' (the default) starts the "
                     "bundled Tansu broker on a free loopback port. SIGINT/SIGTERM: stop intake, drain, commit, "
-                    "exit 0; a second signal exits at once. Runs on anyio's asyncio backend (aiokafka). "
+                    "exit 0; a second signal exits at once. If the Kafka loop dies (an answer that cannot be published "
+                    "after kafka.publish_retry_ms of retries, a refused answers topic), it logs kev.kafka_failed and "
+                    "exits 1, to be restarted; what it had not committed is redelivered. "
+                    "Runs on anyio's asyncio backend (aiokafka). "
                     "deploy.mode multi: start deploy.workers such workers on this host (one per GPU, or a share "
                     "of the cores each) and restart any that crash.")
     add_config_and_model(serve)
@@ -28,13 +31,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kev_async.app import serve
+    from kev_async.kafka_loop import EXIT_KAFKA_FAILED, KafkaLoopFailed
     from kev_async.runtime.lifecycle import run_service
 
     cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
     if cfg.deploy.mode == "multi":
         return _serve_multi(cfg, args)
-    return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=args.drain_deadline),
-                     backend="asyncio")
+    try:
+        return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=args.drain_deadline),
+                         backend="asyncio")
+    except BaseExceptionGroup as group:  # task groups wrap what serve raises
+        failed, rest = group.split(KafkaLoopFailed)
+        if failed is None or rest is not None:
+            raise
+        return EXIT_KAFKA_FAILED  # kev.kafka_failed has said why, in one line
+    except KafkaLoopFailed:
+        return EXIT_KAFKA_FAILED
 
 
 def _serve_multi(cfg, args: argparse.Namespace) -> int:

@@ -6,12 +6,14 @@
     engine_factory = lambda: metrics.watch_engine(Engine(model, options))
     wrap = metrics.wrap(Outbound)           # every answer is observed, then wrapped as before
     async with metrics.endpoint(cfg.metrics.port):
-        ...                                 # GET http://127.0.0.1:PORT/metrics
+        ...                                 # GET http://127.0.0.1:PORT/metrics, GET /health
 
 Answer-level histograms and counters are updated as each answer leaves the engine actor. Everything
 that lives in other objects (the scheduler's queues, the KV pool, the mailboxes, the Kafka worker) is
 read when Prometheus scrapes, by a collector: no polling task, no thread. The endpoint is a small
-anyio TCP listener speaking just enough HTTP/1.0 for a scraper.
+anyio TCP listener speaking just enough HTTP/1.0 for a scraper. It also answers GET /health for a
+liveness probe: 200 {"status":"ok"} while the watched Kafka loop is consuming, 503 otherwise; the
+body says nothing more.
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ class Metrics:
         path = rest.partition(" ")[0].partition("?")[0]
         if method not in ("GET", "HEAD"):
             return _http(405, b"GET /metrics only\n", extra="Allow: GET, HEAD\r\n")
+        if path == "/health":
+            status = 200 if self.live.healthy() else 503
+            body = b'{"status":"ok"}' if status == 200 else b'{"status":"unhealthy"}'
+            return _http(status, body if method == "GET" else b"", "application/json", length=len(body))
         if path != "/metrics":
             return _http(404, b"metrics are at /metrics\n")
         await self.live.sample_lag()
@@ -173,7 +179,7 @@ class Metrics:
 
 def _http(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", *, extra: str = "",
           length: int | None = None) -> bytes:
-    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
+    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
     head = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body) if length is None else length}\r\n{extra}Connection: close\r\n\r\n")
     return head.encode("latin-1") + body
@@ -217,6 +223,10 @@ class _LiveCollector:
             for key, value in _engine_counts(self.engine.core).items():
                 self.retired[key] += value
         self.engine = engine
+
+    def healthy(self) -> bool:
+        """The watched Kafka loop is consuming (nothing watched: nothing to be unhealthy about)."""
+        return self.kafka is None or self.kafka.healthy()
 
     def describe(self) -> Iterator[Metric]:
         return self.collect()

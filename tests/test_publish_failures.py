@@ -1,0 +1,299 @@
+"""Failure injection on the answer publish path, against real brokers (the embedded Tansu).
+
+- an answer larger than the producer's max_request_size is cut to fit and marked `truncated`; the
+  questions after it are answered as usual;
+- a question whose ids alone would overflow a record still ends with one (cut) answer;
+- an answers topic the broker refuses is retried, then the worker stops with PublishFailed, the
+  question's offset is not committed, and /health turns 503;
+- a broker that goes away and comes back within the retry budget: the answer is published once it
+  is back, and only then committed;
+- `kev serve`: an oversized answer and a 900 KB request_id do not stop the worker; a broker gone for
+  longer than kafka.publish_retry_ms makes it exit 1 with one kev.kafka_failed line.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import anyio
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from consumers import EmbeddedBroker, Inbound, KafkaWorker, Outbound, create_topics, topic_plan
+from consumers.delivery import PublishFailed, record_size
+from kev_async.observe.metrics import Metrics
+from schemas import AnswerEvent, decode_answer
+
+pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
+from kafka_fixtures import (  # noqa: E402
+    FAST_GROUP,
+    HoldingEngine,
+    StandInEngine,
+    answer_for,
+    committed,
+    kafka_config,
+    produce,
+    question,
+    read_topic,
+    running_worker,
+    wait_committed,
+    wait_until,
+)
+from serve_fixtures import KevProcess, kev_env, kev_processes  # noqa: E402
+
+pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
+pytestmark = [pytest.mark.kafka, pytest.mark.anyio]
+
+BIG_TEXT = "long answer " * 2000  # 24,000 characters
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # aiokafka is asyncio-only
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def health(port: int) -> tuple[int, bytes]:
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(b"GET /health HTTP/1.0\r\n\r\n")
+        raw = b""
+        try:
+            while True:
+                raw += await stream.receive()
+        except anyio.EndOfStream:
+            pass
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+class BigAnswerEngine(StandInEngine):
+    """Echoes, except that a question whose prompt is "big" gets a 24,000-character answer."""
+
+    async def __call__(self, inbox, outbox) -> None:
+        async with inbox, outbox:
+            async for inbound in inbox:
+                self.received.append(inbound)
+                answer = answer_for(inbound)
+                if inbound.question.prompt == "big":
+                    answer = msgspec.structs.replace(answer, text=BIG_TEXT, token_ids=tuple(range(6000)))
+                await outbox.send(Outbound(answer, inbound))
+
+
+def answers_by_id(records) -> dict[str, list[tuple[AnswerEvent, object]]]:
+    out: dict[str, list] = {}
+    for record in records:
+        answer = decode_answer(record.value)
+        out.setdefault(answer.question_id, []).append((answer, record))
+    return out
+
+
+# -- the record's own failures: the question ends with an answer, the loop goes on ------------------
+
+async def test_an_answer_larger_than_the_producer_allows_is_cut_to_fit_and_the_worker_goes_on(kafka_broker):
+    cfg = kafka_config(kafka_broker, max_request_size=4096)
+    bootstrap = kafka_broker.bootstrap_servers
+    async with running_worker(cfg, BigAnswerEngine()):
+        sent = await produce(bootstrap, cfg.questions_topic, [question("big", "big"), question("after", "after")],
+                             key=b"same")  # one partition: "after" comes behind "big"
+        records = await read_topic(bootstrap, cfg.answers_topic, 2)
+        partition = sent[0][0]
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic,
+                             {p: (2 if p == partition else None) for p in range(2)})
+    answers = answers_by_id(records)
+    assert sorted(answers) == ["after", "big"] and all(len(v) == 1 for v in answers.values())
+    (big, big_record), = answers["big"]
+    assert big.truncated and big.finish_reason == "stop" and big.error is None
+    assert 0 < len(big.text) < len(BIG_TEXT) and BIG_TEXT.startswith(big.text)
+    assert 0 < len(big.token_ids) < 6000 and big.token_ids == tuple(range(len(big.token_ids)))
+    assert record_size(big_record.key, big_record.value, list(big_record.headers)) <= 4096
+    (after, _), = answers["after"]
+    assert after.text == "echo: after" and not after.truncated
+
+
+async def test_a_question_whose_ids_alone_overflow_a_record_still_gets_one_answer(kafka_broker):
+    cfg = kafka_config(kafka_broker, max_request_size=4096)
+    bootstrap = kafka_broker.bootstrap_servers
+    huge_id = "r" * 10_000
+    async with running_worker(cfg):
+        await produce(bootstrap, cfg.questions_topic, [question("huge-request-id", request_id=huge_id),
+                                                       question("next", "next")], key=b"same")
+        records = await read_topic(bootstrap, cfg.answers_topic, 2)
+    answers = answers_by_id(records)
+    assert sorted(answers) == ["huge-request-id", "next"] and all(len(v) == 1 for v in answers.values())
+    (first, _), = answers["huge-request-id"]
+    # An error answer (the id is over a bound) or the answer itself: either way cut, never the 10,000 characters.
+    assert first.request_id is None or (len(first.request_id) <= 256 and huge_id.startswith(first.request_id))
+    assert answers["next"][0][0].text == "echo: next"
+
+
+# -- the broker refuses or is away: retried, then the worker stops; nothing committed before its ack ---
+
+async def test_a_refused_answers_topic_is_retried_then_the_worker_stops_and_commits_nothing_unacked(kafka_broker):
+    # Tansu answers an illegal topic name with UnknownTopicOrPartition, a retriable error, so this is the
+    # path of an answers topic that stays unavailable: retried for publish_retry_s, then PublishFailed.
+    cfg = kafka_config(kafka_broker, partitions=1, answers_topic="answers topic that cannot be")
+    bootstrap = kafka_broker.bootstrap_servers
+    await create_topics(bootstrap, {cfg.questions_topic: 1})
+    questions_out, questions_in = anyio.create_memory_object_stream[Inbound](16)
+    answers_out, answers_in = anyio.create_memory_object_stream[Outbound](16)
+    worker = KafkaWorker(cfg, questions_out, answers_in, consumer_options=FAST_GROUP, create_topics=False,
+                         producer_options={"request_timeout_ms": 500}, publish_retry_s=2.0)
+    metrics, port = Metrics(), free_port()
+    metrics.watch_kafka(worker)
+    failures: list[BaseException] = []
+
+    async def run_worker(*, task_status) -> None:
+        try:
+            await worker.run(task_status=task_status)
+        except PublishFailed as error:
+            failures.append(error)
+
+    with capture_logs() as logs, anyio.fail_after(60):
+        async with metrics.endpoint(port), anyio.create_task_group() as tg:
+            tg.start_soon(StandInEngine(), questions_in, answers_out)
+            await tg.start(run_worker)
+            await worker.wait_assigned()
+            await wait_until(worker.healthy)
+            assert await health(port) == (200, b'{"status":"ok"}')
+            began = time.monotonic()
+            await produce(bootstrap, cfg.questions_topic, [question("q0")])
+            await wait_until(lambda: bool(failures), timeout=30)
+            took = time.monotonic() - began
+            assert await health(port) == (503, b'{"status":"unhealthy"}')
+    assert "cannot publish answers to topic 'answers topic that cannot be' after retrying" in str(failures[0])
+    assert took >= 2.0, took  # the retry budget was spent first
+    assert len([e for e in logs if e["event"] == "publish_retrying"]) >= 2
+    assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
+
+
+async def test_a_broker_away_for_a_while_gets_the_answer_once_back_and_only_then_commits(kafka_broker):
+    answers_broker = EmbeddedBroker(port=free_port())  # a fixed port: restarted, it is at the same address
+    await answers_broker.astart()
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = HoldingEngine()
+    producer = {"bootstrap_servers": answers_broker.bootstrap_servers, "request_timeout_ms": 1000}
+    try:
+        async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=60.0) as worker:
+            await produce(bootstrap, cfg.questions_topic, [question("q0")])
+            await wait_until(lambda: len(engine.received) == 1)
+            await answers_broker.astop()
+            engine.release.set()
+            await wait_until(lambda: worker.statistics().answers == 0 and worker.tracker.in_flight() == 1)
+            await anyio.sleep(2.5)  # two request timeouts: retried meanwhile, and nothing acked, so nothing committed
+            assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
+            await answers_broker.astart()
+            records = await read_topic(answers_broker.bootstrap_servers, cfg.answers_topic, 1, timeout=30)
+            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 1})
+            assert worker.healthy()
+    finally:
+        answers_broker.stop()
+    assert [decode_answer(r.value).question_id for r in records] == ["q0"]
+
+
+# -- `kev serve` ----------------------------------------------------------------------------------------
+
+def serve_env(kafka, **extra: str) -> dict[str, str]:
+    return kev_env(KEV_KAFKA__GROUP_ID=kafka.group_id, KEV_KAFKA__QUESTIONS_TOPIC=kafka.questions_topic,
+                   KEV_KAFKA__ANSWERS_TOPIC=kafka.answers_topic, KEV_KAFKA__DELTAS_TOPIC=kafka.deltas_topic,
+                   KEV_KAFKA__DLQ_TOPIC=kafka.dlq_topic, KEV_KAFKA__CONTROL_TOPIC=kafka.control_topic,
+                   KEV_KAFKA__PARTITIONS=str(kafka.partitions), KEV_KAFKA__COMMIT_INTERVAL_MS="200",
+                   KEV_KV_CACHE__NUM_BLOCKS="512", KEV_KAFKA_SESSION_TIMEOUT_MS="3000", **extra)
+
+
+def log_events(process: KevProcess, event: str) -> list[dict]:
+    from kev_async.drill_checks import log_events as parse
+
+    return parse(process.log(), event)
+
+
+async def test_kev_serve_goes_on_after_an_oversized_answer_and_a_900_kb_request_id(kafka_broker, tiny_model_dir,
+                                                                                 tmp_path):
+    kafka = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka.bootstrap_servers
+    await create_topics(bootstrap, topic_plan(kafka))
+    env = serve_env(kafka, KEV_KAFKA__MAX_REQUEST_SIZE="4096")
+    with kev_processes() as children:
+        kev = KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers", bootstrap], env,
+                         tmp_path / "serve.log")
+        children.append(kev)
+        events = [question("long", "Write a long story.", params={"max_new_tokens": 600}),
+                  question("huge-id", request_id="x" * 900_000),
+                  question("good", "Say hi.", params={"max_new_tokens": 4})]
+        await produce(bootstrap, kafka.questions_topic, events)
+        records = await read_topic(bootstrap, kafka.answers_topic, 3, timeout=120)
+        assert kev.running(), kev.describe()
+    answers = answers_by_id(records)
+    assert sorted(answers) == ["good", "huge-id", "long"], kev.describe()
+    long_answer = answers["long"][0][0]
+    assert long_answer.truncated and long_answer.usage.completion_tokens == 600, kev.describe()
+    assert len(long_answer.token_ids) < 600
+    huge = answers["huge-id"][0][0]
+    assert huge.request_id is None or len(huge.request_id) <= 256
+    good = answers["good"][0][0]
+    assert good.error is None and not good.truncated and good.usage.completion_tokens == 4
+    assert log_events(kev, "answer_truncated"), kev.describe()
+
+
+async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir, tmp_path):
+    # A broker of its own, stopped while the worker computes an answer, and never back.
+    broker = EmbeddedBroker()
+    await broker.astart()
+    kafka = kafka_config(broker, partitions=1)
+    await create_topics(broker.bootstrap_servers, topic_plan(kafka))
+    port = free_port()
+    env = serve_env(kafka, KEV_KAFKA__PUBLISH_RETRY_MS="2000", KEV_METRICS__PORT=str(port))
+    try:
+        with kev_processes() as children:
+            kev = KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers",
+                              broker.bootstrap_servers], env, tmp_path / "serve.log")
+            children.append(kev)
+            with anyio.fail_after(90):
+                while not log_events(kev, "partitions_assigned"):
+                    assert kev.running(), kev.describe()
+                    await anyio.sleep(0.1)
+                while (await health(port))[0] != 200:
+                    await anyio.sleep(0.1)
+            await produce(broker.bootstrap_servers, kafka.questions_topic,
+                          [question("slow", "Write a long story.", params={"max_new_tokens": 900})])
+            with anyio.fail_after(30):  # taken: stop the broker before its answer is ready
+                while not _in_flight(await _scrape(port)):
+                    await anyio.sleep(0.02)
+            await broker.astop()
+            stopped = time.monotonic()
+            rc = await anyio.to_thread.run_sync(kev.wait, 90)
+            took = time.monotonic() - stopped
+    finally:
+        broker.stop()
+    assert rc == 1, kev.describe()
+    failed = log_events(kev, "kev.kafka_failed")
+    assert len(failed) == 1 and "cannot publish answers" in failed[0]["error"], kev.describe()
+    assert not log_events(kev, "published"), kev.describe()
+    print(f"\nexited {rc} {took:.1f}s after the broker stopped")
+
+
+async def _scrape(port: int) -> str:
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(b"GET /metrics HTTP/1.0\r\n\r\n")
+        raw = b""
+        try:
+            while True:
+                raw += await stream.receive()
+        except anyio.EndOfStream:
+            pass
+    return raw.decode()
+
+
+def _in_flight(metrics_text: str) -> bool:
+    for line in metrics_text.splitlines():
+        if line.startswith("kev_kafka_in_flight "):
+            return float(line.split()[1]) >= 1
+    return False
+
