@@ -29,6 +29,10 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
                    http: bool = False, out=print, task_status=anyio.TASK_STATUS_IGNORED) -> dict:
     questions = [QuestionEvent(question_id=f"demo-{i}", prompt=text, params=Params(max_new_tokens=max_new_tokens))
                  for i, text in enumerate((QUESTIONS * 8)[:num_questions])]
+    if http:  # the gateway signs its questions; the worker must know the key
+        from kev_async.gateway.exposure import with_session_trust_key
+
+        cfg = with_session_trust_key(cfg)
     async with anyio.create_task_group() as tg:
         running = await tg.start(partial(serve, cfg, shutdown))
         out(f"kev: worker {running.worker} serving {running.model} from {running.bootstrap_servers}")

@@ -24,6 +24,7 @@ from schemas import KevConfig
 
 API_KEY = "sk-kev-test-1"
 TENANT = "acme"
+TRUST_KEY_ID, TRUST_SECRET = "test", "a-test-secret-of-32-characters!!"  # kafka.trust, shared by gateway and worker
 SESSION_ENV = {"KEV_KAFKA_SESSION_TIMEOUT_MS": "3000"}  # Tansu's group waits, kept short
 
 
@@ -40,11 +41,42 @@ def replace(cfg: KevConfig, **sections) -> KevConfig:
 
 
 def stack_config(kafka, *, metrics_port: int = 0, **gateway) -> KevConfig:
+    """A worker and gateway config: API key API_KEY is tenant TENANT, which sees Kev's audit; the gateway
+    signs with the trust key the worker knows; up to 256 requests in flight per tenant."""
+    trust = msgspec.structs.replace(kafka.trust, keys={TRUST_KEY_ID: TRUST_SECRET})
+    kafka = msgspec.structs.replace(kafka, trust=trust)
     return replace(KevConfig(kafka=kafka), core={"max_context": 1024, "device": "cpu"},
                    router={"max_parallel_queries": 32}, kv_cache={"num_blocks": 1024},
                    scheduler={"batch_window_ms": 2.0}, metrics={"port": metrics_port},
                    gateway={"port": 0, "api_keys": {API_KEY: TENANT}, "served_model_name": "tiny",
-                            "max_prompt_chars": 2000, **gateway})
+                            "max_prompt_chars": 2000, "audit_tenants": [TENANT], "max_concurrent_per_tenant": 256,
+                            **gateway})
+
+
+async def produce_commands(bootstrap: str, topic: str, events: list) -> None:
+    """Control commands as an operator's tool sends them: signed, keyed by what each changes."""
+    from schemas import encode
+    from schemas.control import control_key
+    from schemas.signing import CONTROL
+
+    await produce_signed(bootstrap, topic, [encode(e) for e in events], CONTROL, keys=[control_key(e) for e in events])
+
+
+async def produce_signed(bootstrap: str, topic: str, values: list[bytes], purpose: bytes, *,
+                         keys: list[bytes | None] | None = None) -> None:
+    """Send each value signed with the test trust key (as an operator's tool does), and wait for the acks."""
+    from aiokafka import AIOKafkaProducer
+
+    from schemas.signing import Signer
+
+    signer = Signer(TRUST_KEY_ID, TRUST_SECRET)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for value, key in zip(values, keys or [None] * len(values)):
+            await producer.send_and_wait(topic, value, key=key, headers=signer.headers(value, purpose))
+    finally:
+        await producer.stop()
 
 
 @dataclass

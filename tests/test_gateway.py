@@ -30,11 +30,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
-from gateway_fixtures import API_KEY, SESSION_ENV, TENANT, live_stack, stack_config  # noqa: E402
-from kafka_fixtures import kafka_config, produce, read_topic, running_worker  # noqa: E402
+from gateway_fixtures import (API_KEY, SESSION_ENV, TENANT, TRUST_KEY_ID, TRUST_SECRET, live_stack,  # noqa: E402
+                              produce_commands, produce_signed, stack_config)
+from kafka_fixtures import kafka_config, read_topic, running_worker  # noqa: E402
 
 from consumers import EmbeddedBroker, create_topics, run_control_reader  # noqa: E402
 from schemas import ControlEvent, decode_answer, decode_question, encode  # noqa: E402
+from schemas.signing import QUESTION  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
 pytestmark = pytest.mark.kafka
@@ -123,7 +125,7 @@ def test_models_list_and_adapters_from_the_control_topic(client, stack):
 
     kafka = stack.cfg.kafka
     load = ControlEvent(action="load_adapter", name="sea-lora", path="/nowhere/sea-lora")
-    run(produce, kafka.bootstrap_servers, kafka.control_topic, [encode(load)])
+    run(produce_commands, kafka.bootstrap_servers, kafka.control_topic, [load])
     deadline = time.monotonic() + 10
     while "sea-lora" not in [m.id for m in client.models.list()]:
         assert time.monotonic() < deadline, "the adapter never showed up in /v1/models"
@@ -133,8 +135,8 @@ def test_models_list_and_adapters_from_the_control_topic(client, stack):
     with pytest.raises(openai.NotFoundError) as error:
         client.chat.completions.create(model="sea-lora", messages=SEA, max_tokens=4)
     assert error.value.body["param"] == "model"
-    run(produce, kafka.bootstrap_servers, kafka.control_topic,
-        [encode(ControlEvent(action="unload_adapter", name="sea-lora"))])
+    unload = ControlEvent(action="unload_adapter", name="sea-lora")
+    run(produce_commands, kafka.bootstrap_servers, kafka.control_topic, [unload])
     deadline = time.monotonic() + 10
     while "sea-lora" in [m.id for m in client.models.list()]:
         assert time.monotonic() < deadline, "the adapter was never removed from /v1/models"
@@ -321,11 +323,13 @@ def test_broker_down_is_a_quick_503():
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_deltas_follow_the_questions_reply_topic(kafka_broker, anyio_backend):
-    kafka = kafka_config(kafka_broker, partitions=1)
-    question = {"question_id": "s1", "prompt": "hi", "stream": True, "reply_topic": f"{kafka.answers_topic}.mine"}
+    """A signed question's reply_topic (as the gateway sends it) gets its deltas and its answer."""
+    kafka = stack_config(kafka_config(kafka_broker, partitions=1)).kafka  # with the trust key the gateway signs with
+    question = {"question_id": "s1", "prompt": "hi", "stream": True,
+                "reply_topic": f"kev.replies.{kafka.answers_topic}"}
     await create_topics(kafka.bootstrap_servers, {question["reply_topic"]: 1})
     async with running_worker(kafka):
-        await produce(kafka.bootstrap_servers, kafka.questions_topic, [msgspec.json.encode(question)])
+        await produce_signed(kafka.bootstrap_servers, kafka.questions_topic, [msgspec.json.encode(question)], QUESTION)
         replies = await replies_for(kafka.bootstrap_servers, question["reply_topic"], "s1")
     assert [r.get("seq") for r in replies] == [0, 1, 2, None]  # the stand-in's three deltas, then the answer
     assert "".join(r["text"] for r in replies[:-1]) == "echo: done"
@@ -335,17 +339,17 @@ async def test_deltas_follow_the_questions_reply_topic(kafka_broker, anyio_backe
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_control_reader_skips_old_cancels_and_passes_new_ones(kafka_broker, anyio_backend):
-    kafka = kafka_config(kafka_broker)
+    kafka = stack_config(kafka_config(kafka_broker)).kafka  # commands are signed, as the gateway signs its cancels
     old = [ControlEvent(action="cancel", question_id="old"),
            ControlEvent(action="update_defaults", defaults={"temperature": 0.5})]
-    await produce(kafka.bootstrap_servers, kafka.control_topic, [encode(e) for e in old])
+    await produce_commands(kafka.bootstrap_servers, kafka.control_topic, old)
     send, receive = anyio.create_memory_object_stream[ControlEvent](16)
     async with anyio.create_task_group() as tg:
         replayed = await tg.start(run_control_reader, kafka, send)
         assert replayed == 1
         assert (await receive.receive()).action == "update_defaults"
-        await produce(kafka.bootstrap_servers, kafka.control_topic,
-                      [encode(ControlEvent(action="cancel", question_id="new"))])
+        await produce_commands(kafka.bootstrap_servers, kafka.control_topic,
+                               [ControlEvent(action="cancel", question_id="new")])
         with anyio.fail_after(10):
             assert (await receive.receive()) == ControlEvent(action="cancel", question_id="new")
         tg.cancel_scope.cancel()
@@ -392,9 +396,11 @@ def test_kev_gateway_says_in_one_line_why_it_cannot_start(kafka_broker):
 
     from serve_fixtures import KEV, ROOT, kev_env
 
+    trust = {"KEV_KAFKA__TRUST__KEYS": json.dumps({TRUST_KEY_ID: TRUST_SECRET})}  # else it refuses before that
+
     def gateway(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(KEV), "gateway", *args], cwd=ROOT, env=kev_env(**SESSION_ENV), capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run([str(KEV), "gateway", *args], cwd=ROOT, env=kev_env(**SESSION_ENV, **trust),
+                              capture_output=True, text=True, timeout=120)
 
     unreachable = gateway("--bootstrap-servers", "127.0.0.1:1", "--port", "0")
     assert unreachable.returncode == 1 and "kev gateway: cannot reach the brokers" in unreachable.stderr

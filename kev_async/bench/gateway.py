@@ -74,6 +74,7 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
 
     from consumers import embedded_kafka
     from kev_async.app import serve
+    from kev_async.gateway.exposure import with_session_trust_key
     from kev_async.gateway.server import run_gateway
     from kev_async.runtime.lifecycle import Shutdown
     from schemas import KevConfig
@@ -85,6 +86,7 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
     cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0),
                                   gateway=msgspec.structs.replace(cfg.gateway, port=0, served_model_name="bench"),
                                   router=msgspec.structs.replace(cfg.router, max_parallel_queries=max(32, *levels)))
+    cfg = with_session_trust_key(cfg)  # the gateway signs its questions with a key the worker knows
     shutdown = Shutdown(drain_deadline=30)
     async with embedded_kafka(cfg.kafka) as kafka, anyio.create_task_group() as tg:
         cfg = msgspec.structs.replace(cfg, kafka=kafka)
@@ -93,8 +95,7 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
         else:
             await tg.start(partial(serve, cfg, shutdown, model=model))
         if gateway_process:
-            url, gateway_pid = await tg.start(_gateway_process, cfg.kafka.bootstrap_servers, gateway_processes,
-                                              shutdown)
+            url, gateway_pid = await tg.start(_gateway_process, cfg, gateway_processes, shutdown)
         else:
             url, gateway_pid = (await tg.start(partial(run_gateway, cfg, shutdown))).url, os.getpid()
         direct = _DirectClient(cfg.kafka, max_new_tokens)
@@ -127,30 +128,34 @@ async def bench_gateway(model, *, concurrency: int | list[int], rounds: int, max
                    spread if gateway_processes > 1 else None)
 
 
-async def _gateway_process(bootstrap_servers: str, processes: int, shutdown, *, task_status) -> None:
-    """`kev gateway` as a child process on a free port; started once /health answers, stopped with SIGTERM.
+async def _gateway_process(cfg, processes: int, shutdown, *, task_status) -> None:
+    """`kev gateway` as a child process on a free port; started once /metrics answers, stopped with SIGTERM.
     With processes > 1 it is the parent of that many gateway processes."""
     import socket
 
     import httpx
 
+    from kev_async.gateway.exposure import trust_env
+    from kev_async.gateway.metrics import process_of
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    env = {"KEV_GATEWAY__SERVED_MODEL_NAME": "bench"}
-    argv = ["gateway", "--bootstrap-servers", bootstrap_servers, "--port", str(port), "--processes", str(processes)]
+    env = {"KEV_GATEWAY__SERVED_MODEL_NAME": "bench", **trust_env(cfg)}
+    argv = ["gateway", "--bootstrap-servers", cfg.kafka.bootstrap_servers, "--port", str(port),
+            "--processes", str(processes)]
     async with _kev_process(argv, env) as process:
-        seen: set[int] = set()  # gateway processes that answered: ready once all have
+        seen: set[str | None] = set()  # gateway processes that answered: ready once all have
         with anyio.fail_after(60):
             while len(seen) < processes:
                 if process.returncode is not None:
                     raise RuntimeError(f"`kev gateway` exited with {process.returncode} before it was ready")
                 try:
                     async with httpx.AsyncClient() as client:  # a new connection each time: any process may take it
-                        health = await client.get(f"{url}/health")
-                    if health.status_code == 200:
-                        seen.add(health.json()["pid"])
+                        scraped = await client.get(f"{url}/metrics")  # it names the process that answered
+                    if scraped.status_code == 200:
+                        seen.add(process_of(scraped.text))
                         continue
                 except httpx.TransportError:
                     pass
@@ -205,10 +210,12 @@ async def _worker_process(cfg, model, shutdown, *, task_status) -> None:
     """
     import torch
 
+    from kev_async.gateway.exposure import trust_env
+
     env = {"KEV_CORE__MODEL_PATH": str(model.path), "KEV_CORE__THREADS": str(torch.get_num_threads()),
            "KEV_ROUTER__MAX_PARALLEL_QUERIES": str(cfg.router.max_parallel_queries), "KEV_METRICS__PORT": "0",
            # the embedded broker holds a fetch for its whole wait, so the bench's broker came with a short one
-           "KEV_KAFKA__FETCH_MAX_WAIT_MS": str(cfg.kafka.fetch_max_wait_ms)}
+           "KEV_KAFKA__FETCH_MAX_WAIT_MS": str(cfg.kafka.fetch_max_wait_ms), **trust_env(cfg)}
     async with _kev_process(["serve", "--bootstrap-servers", cfg.kafka.bootstrap_servers], env) as process:
         task_status.started()
         async with anyio.create_task_group() as tg:
@@ -284,23 +291,25 @@ class _HttpClient:
 
     def spread(self) -> list[int]:
         """How many of the open connections each gateway process holds, most first."""
-        counts: dict[int, int] = {}
+        counts: dict[str | None, int] = {}
         for connection in self.connections:
-            counts[connection.pid] = counts.get(connection.pid, 0) + 1
+            counts[connection.process] = counts.get(connection.process, 0) + 1
         return sorted(counts.values(), reverse=True)
 
     async def round(self, concurrency: int) -> list[float]:
         import asyncio
+
+        from kev_async.gateway.metrics import process_of
 
         loop = asyncio.get_running_loop()
         # uvicorn closes a keep-alive connection idle for 5 s, as a lower level's slow rounds can leave it.
         self.connections = [c for c in self.connections if not c.transport.is_closing()]
         while len(self.connections) < concurrency:
             _, connection = await loop.create_connection(lambda: _Connection(self.host), self.host, self.port)
-            status, body = await connection.request("GET", "/health")
+            status, body = await connection.request("GET", "/metrics")
             if status != 200:
-                raise RuntimeError(f"the gateway's /health answered HTTP {status}")
-            connection.pid = json.loads(body)["pid"]
+                raise RuntimeError(f"the gateway's /metrics answered HTTP {status}")
+            connection.process = process_of(body.decode())
             self.connections.append(connection)
         latencies: list[float] = []
 
@@ -329,7 +338,7 @@ class _Connection:
         self.transport = None
         self.buffer = b""
         self.response = None  # the future of the request in flight
-        self.pid = 0  # the gateway process holding the connection (from its /health)
+        self.process: str | None = None  # the gateway process holding the connection (from its /metrics)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -383,9 +392,12 @@ class _DirectClient:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
         from kev_async.gateway.replies import FETCH_MAX_WAIT_MS
+        from schemas.signing import Signer
 
         self.kafka, self.max_new_tokens = kafka, max_new_tokens
-        self.topic = f"kev.bench-replies.{uuid.uuid4().hex[:8]}"
+        # Signed, and a reply topic of the allowed pattern: as the gateway's, or the worker would not reply there.
+        self.signer = Signer.from_config(kafka.trust)
+        self.topic = f"kev.replies.bench-{uuid.uuid4().hex[:8]}"
         self.producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=0)
         self.consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
                                          auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS)
@@ -403,6 +415,7 @@ class _DirectClient:
 
     async def round(self, concurrency: int) -> list[float]:
         from schemas import Message, Params, QuestionEvent, decode_answer, encode
+        from schemas.signing import QUESTION
 
         sent: dict[str, float] = {}
         for i in range(concurrency):
@@ -411,7 +424,9 @@ class _DirectClient:
                                      messages=(Message(role="user", content=PROMPT.format(i=i)),),
                                      params=Params(max_new_tokens=self.max_new_tokens), reply_topic=self.topic)
             sent[question.question_id] = time.perf_counter()
-            await self.producer.send(self.kafka.questions_topic, encode(question), key=question.question_id.encode())
+            value = encode(question)
+            await self.producer.send(self.kafka.questions_topic, value, key=question.question_id.encode(),
+                                     headers=self.signer.headers(value, QUESTION))
         latencies = []
         while len(latencies) < concurrency:
             for records in (await self.consumer.getmany(timeout_ms=1000)).values():

@@ -40,5 +40,20 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0))
     if args.port is not None:
         cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, port=args.port))
+    if args.http and (refused := _gateway_refusal(cfg)):
+        print(f"kev demo: {refused}", file=sys.stderr)
+        return 2
     demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens, http=args.http)
     return anyio.run(partial(run_service, demo), backend="asyncio")
+
+
+def _gateway_refusal(cfg) -> str | None:
+    """Why the demo's gateway must not serve as configured (listening beyond the loopback without keys)."""
+    from kev_async.gateway.auth import Authenticator
+    from kev_async.gateway.exposure import GatewayRefused, check_exposure, with_session_trust_key
+
+    try:
+        check_exposure(with_session_trust_key(cfg), keys_configured=Authenticator.from_config(cfg.gateway).enabled)
+    except (GatewayRefused, ValueError) as error:
+        return str(error)
+    return None

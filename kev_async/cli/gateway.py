@@ -19,15 +19,21 @@ brokers answer; run as many gateways as you like.
 
 Any OpenAI client works:  OpenAI(base_url="http://HOST:PORT/v1", api_key=KEY)
 A request's `model` is the served model (gateway.served_model_name) or a LoRA adapter loaded through
-kev.control. API keys (gateway.api_keys or gateway.api_keys_file) map to tenants; with none
-configured the gateway is open. A client that disconnects, or a deadline that passes, cancels its
-question on kev.control so the worker frees its KV blocks. SIGINT/SIGTERM: stop accepting, let
-requests in flight finish (5 s), exit 0.
+kev.control. API keys (gateway.api_keys or gateway.api_keys_file) map to tenants. Without keys the
+gateway listens on the loopback only, unless --allow-anonymous (gateway.allow_anonymous) is given;
+every anonymous request then gets a prefix cache of its own. It signs what it publishes with a
+kafka.trust key the workers share (they honour a reply topic or tenant only when signed), and refuses
+to start without one.
+Each tenant may have gateway.max_concurrent_per_tenant requests in flight (more: 429, Retry-After);
+the x-kev-audit header goes only to gateway.audit_tenants. A client that disconnects, a deadline
+that passes, or a publish the broker does not ack in time cancels its question on kev.control so
+the worker frees its KV blocks. SIGINT/SIGTERM: stop accepting, let requests in flight finish
+(5 s), exit 0.
 
 --processes N (gateway.processes) runs N such gateways on the one port, each with its own event loop,
 producer and reply topic: at high concurrency a request waits for its loop's work on the requests
-ahead of it, so more processes cut that wait where cores are free. /metrics and /health then describe
-the process that accepted the connection."""
+ahead of it, so more processes cut that wait where cores are free. /metrics then describes the
+process that accepted the connection."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway.add_argument("--port", type=int, default=None, help="port to listen on (gateway.port, default 8000)")
     gateway.add_argument("--processes", type=int, default=None,
                          help="gateway processes sharing the port (gateway.processes, default 1)")
+    gateway.add_argument("--allow-anonymous", action="store_true", default=None,
+                         help="serve callers without an API key beyond the loopback (gateway.allow_anonymous)")
     gateway.set_defaults(func=_gateway)
 
 
@@ -58,8 +66,8 @@ def _gateway(args: argparse.Namespace) -> int:
         return 2
     if args.bootstrap_servers:
         cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap_servers=args.bootstrap_servers))
-    given = {key: value for key, value in (("host", args.host), ("port", args.port), ("processes", args.processes))
-             if value is not None}
+    given = {key: value for key, value in (("host", args.host), ("port", args.port), ("processes", args.processes),
+                                           ("allow_anonymous", args.allow_anonymous)) if value is not None}
     if given:
         try:
             gateway = msgspec.convert(msgspec.to_builtins(msgspec.structs.replace(cfg.gateway, **given)),
@@ -71,6 +79,10 @@ def _gateway(args: argparse.Namespace) -> int:
     if cfg.kafka.bootstrap_servers == EMBEDDED:
         print("kev gateway: give the brokers the workers use (--bootstrap-servers or kafka.bootstrap_servers); "
               "`kev demo --http` runs a worker and the gateway together on the embedded broker", file=sys.stderr)
+        return 2
+    refused = _refusal(cfg)
+    if refused:
+        print(f"kev gateway: {refused}", file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.json)
     if cfg.gateway.processes == 1:
@@ -85,3 +97,15 @@ def _gateway(args: argparse.Namespace) -> int:
             raise
         print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
         return 1
+
+
+def _refusal(cfg) -> str | None:
+    """Why this config must not serve (unreadable API keys, exposed without keys, unsigned with tenants)."""
+    from kev_async.gateway.auth import Authenticator
+    from kev_async.gateway.exposure import GatewayRefused, check_exposure
+
+    try:
+        check_exposure(cfg, keys_configured=Authenticator.from_config(cfg.gateway).enabled)
+    except (GatewayRefused, ValueError) as error:
+        return str(error)
+    return None

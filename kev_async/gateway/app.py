@@ -3,19 +3,19 @@
     POST /v1/chat/completions   POST /v1/completions   (stream: true -> Server-Sent Events)
     GET  /v1/models             GET  /health           GET  /metrics
 
-Every question gets a fresh id (the response's `id`) and this instance's reply topic; the request
-waits for its answer there. A client that goes away, or a deadline that passes first, cancels the
-question on the control topic so the worker frees its KV blocks.
+Every question gets a fresh random id (the response's `id`) and this instance's reply topic; the
+request waits for its answer there. A client that goes away, a deadline that passes first, or a
+publish the broker did not ack in time cancels the question on the control topic, so the worker frees
+its KV blocks or never starts it. Whatever a client sends, a bad request is a 4xx in OpenAI's error
+shape; a 500 means a bug in the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
+import math
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -25,8 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kev_async.gateway.auth import Authenticator
+from kev_async.gateway.callers import Caller, TenantSlots, caller_of, new_question_id
 from kev_async.gateway.catalog import ModelCatalog
-from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
+from kev_async.gateway.errors import HANDLERS, ApiError, bad_request, internal_error
 from kev_async.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObserveRequests
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
@@ -40,14 +41,7 @@ log = structlog.get_logger("kev.gateway")
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
 _JSON = msgspec.json.Encoder()
-# Question ids: 64 random bits per process, then a counter. uuid4 per request would cost a getrandom
-# syscall each; 32 hex digits either way, unique across gateways and restarts.
-_ID_PREFIX = uuid.uuid4().hex[:16]
-_ID_COUNTER = itertools.count()
-
-
-def _new_id() -> str:
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the openai client's own timeout, in seconds
 
 
 @dataclass
@@ -60,28 +54,53 @@ class Gateway:
     catalog: ModelCatalog
     auth: Authenticator
     metrics: GatewayMetrics
+    slots: TenantSlots = field(default=None)  # type: ignore[assignment]  # None: from cfg
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = TenantSlots(self.cfg.gateway.max_concurrent_per_tenant)
+
+    def caller(self, authorization: str | None) -> Caller:
+        return caller_of(self.auth.tenant(authorization), self.cfg.gateway)
 
     def deadline_ms(self, request: Request, stream: bool) -> int:
         """The question's timeout_ms: the configured deadline, shortened by a whole-response client timeout."""
         limit = self.cfg.gateway.request_timeout_ms or self.cfg.aggregator.timeout_ms
-        client = request.headers.get("x-stainless-read-timeout")  # the openai client's own timeout, seconds
-        if client and not stream:  # for a stream it bounds each chunk, not the whole answer
-            try:
-                limit = min(limit, max(1, int(float(client) * 1000)))
-            except ValueError:
-                pass
+        client = client_timeout_ms(request.headers.get(CLIENT_TIMEOUT_HEADER))
+        if client is not None and not stream:  # for a stream it bounds each chunk, not the whole answer
+            limit = min(limit, client)
         return limit
 
     async def cancel(self, question_id: str) -> None:
         self.metrics.cancels.inc()
         await self.publisher.cancel(question_id)
 
-    async def publish(self, question: QuestionEvent) -> None:
+    async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
+        """Publish; if the broker does not ack in time the question may still be delivered later, so it is
+        cancelled too (a worker remembers a cancel that overtakes its question)."""
         try:
-            await self.publisher.publish(question)
-        except BrokerUnavailable:
+            await self.publisher.publish(question, arrived_ms)
+        except BrokerUnavailable as error:
             self.metrics.publish_failures.inc()
+            await self.cancel(question.question_id)
+            error.headers = {"x-request-id": question.question_id}  # the id its cancel names
             raise
+
+
+def client_timeout_ms(value: str | None) -> int | None:
+    """The client's whole-request timeout in ms; None when absent or infinite; 400 when not a positive number."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if seconds == math.inf:
+        return None
+    if not seconds > 0:  # NaN too
+        raise bad_request(f"{CLIENT_TIMEOUT_HEADER}: expected a positive number of seconds, got {value[:40]!r}",
+                          param=CLIENT_TIMEOUT_HEADER, code="invalid_header")
+    return max(1, int(min(seconds, 1e9) * 1000))
 
 
 def create_app(gateway: Gateway) -> ObserveRequests:
@@ -159,12 +178,9 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    ok = gateway.publisher.healthy
-    body = {"status": "ok" if ok else "broker_unavailable", "model": gateway.catalog.model,
-            "reply_topic": gateway.replies.topic, "in_flight": gateway.replies.waiting,
-            "pid": os.getpid()}  # which process answered, with `kev gateway --processes N`
-    return _json(body, status=200 if ok else 503)
+    """Healthy or not, and nothing more: no topic, host or process for anyone to aim at."""
+    ok = request.app.state.gateway.publisher.healthy
+    return _json({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -173,31 +189,35 @@ async def metrics(request: Request) -> Response:
 
 
 async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest]) -> Response:
-    started = time.perf_counter()
-    tenant = gateway.auth.tenant(request.headers.get("authorization"))
+    started, arrived_ms = time.perf_counter(), time.time_ns() // 1_000_000
+    caller = gateway.caller(request.headers.get("authorization"))
     body = await _read_body(request, gateway.cfg.gateway.max_body_bytes)
     parsed = parse_request(body, kind)
     adapter = gateway.catalog.resolve(parsed.model)
     chat = kind is ChatRequest
-    question_id = f"{'chatcmpl' if chat else 'cmpl'}-{_new_id()}"
+    question_id = new_question_id("chatcmpl" if chat else "cmpl")
     timeout_ms = gateway.deadline_ms(request, bool(parsed.stream))
-    question = to_question(parsed, question_id=question_id, tenant=tenant, reply_topic=gateway.replies.topic,
-                           timeout_ms=timeout_ms, adapter=adapter, max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
+    question = to_question(parsed, question_id=question_id, tenant=caller.tenant, cache_salt=caller.cache_salt(),
+                           reply_topic=gateway.replies.topic, timeout_ms=timeout_ms, adapter=adapter,
+                           max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
     wait_s = timeout_ms / 1000 + REPLY_GRACE_S
     if parsed.stream:
-        return AnswerStream(gateway, question, parsed, chat=chat, wait_s=wait_s, started=started)
-    answer = await _ask(request, gateway, question, wait_s)
+        return AnswerStream(gateway, question, parsed, caller=caller, chat=chat, wait_s=wait_s, started=started,
+                            arrived_ms=arrived_ms)
+    with gateway.slots.take(caller.tenant):
+        answer = await _ask(request, gateway, question, wait_s, arrived_ms)
     raise_for_error(answer)
     shape = chat_completion if chat else text_completion
-    body = shape(answer, id_=question_id, model=parsed.model, created=int(time.time()))
-    return _json(body, headers={"x-request-id": question_id, **kev_headers(answer)})
+    body = shape(answer, id_=question_id, model=parsed.model, created=int(time.time()),
+                 show_cached=not caller.anonymous)
+    return _json(body, headers={"x-request-id": question_id, **kev_headers(answer, audit=caller.audit)})
 
 
-async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float):
+async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float, arrived_ms: int):
     """Publish, then wait for the answer, the deadline, or the client leaving (the last two cancel it)."""
     answer = None
     with gateway.replies.expect(question.question_id) as pending, gateway.metrics.waiting():
-        await gateway.publish(question)
+        await gateway.publish(question, arrived_ms)
         try:
             answer = await _answer_or_hangup(pending, request.receive, wait_s)
         finally:
@@ -226,7 +246,7 @@ async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> AnswerE
 async def _read_body(request: Request, limit: int) -> bytes:
     too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -19,16 +19,17 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "perm
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import re
+import secrets
 import time
 from contextlib import contextmanager
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 # Seconds: from a few milliseconds of gateway overhead to minutes-long answers.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_PROCESS = re.compile(r'^kev_gateway_process_info\{process="([0-9a-f]+)"\}', re.M)
+
+
+def process_of(metrics_text: str) -> str | None:
+    """The gateway process that served a /metrics scrape (with `--processes N`, which one took the connection)."""
+    match = _PROCESS.search(metrics_text)
+    return match[1] if match else None
 
 
 class GatewayMetrics:
@@ -29,6 +38,8 @@ class GatewayMetrics:
                                "Cancels sent to the workers (client gone or deadline passed).", registry=r)
         self.publish_failures = Counter("kev_gateway_publish_failures_total",
                                         "Questions the broker did not ack in time (answered 503).", registry=r)
+        # A random name per process, not its pid: enough to tell `--processes N` apart, nothing to aim at.
+        Info("kev_gateway_process", "This gateway process.", registry=r).info({"process": secrets.token_hex(6)})
         self._counts: dict[tuple[str, int], Counter] = {}
         self._latencies: dict[str, Histogram] = {}
 

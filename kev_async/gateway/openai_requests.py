@@ -117,21 +117,25 @@ def parse_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]
         raise _invalid_field(str(error)) from None
     except msgspec.DecodeError as error:
         raise bad_request(f"We could not parse the JSON body of your request. ({error})", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit, on the free-form fields (tools, content parts, ...)
+        raise bad_request("The JSON body of your request is nested too deeply.", code="invalid_json") from None
     for field, neutral in _NEUTRAL.items():
         value = getattr(request, field, None)
         if not neutral(value):
-            raise bad_request(f"{field}={msgspec.json.encode(value).decode()[:100]} is not supported by Kev",
-                              param=field, code="unsupported_value")
+            raise bad_request(f"{field}={_shown(value)} is not supported by Kev", param=field, code="unsupported_value")
     return request
 
 
 def to_question(request: ChatRequest | CompletionRequest, *, question_id: str, tenant: str | None,
-                reply_topic: str, timeout_ms: int, adapter: str | None, max_prompt_chars: int) -> QuestionEvent:
+                reply_topic: str, timeout_ms: int, adapter: str | None, max_prompt_chars: int,
+                cache_salt: str | None = None) -> QuestionEvent:
     """The QuestionEvent a worker will answer, checked by the workers' own gate."""
     event: dict[str, Any] = {"question_id": question_id, "params": _params(request), "timeout_ms": timeout_ms,
                              "stream": bool(request.stream), "reply_topic": reply_topic}
     if tenant is not None:
         event["tenant"] = tenant
+    if cache_salt is not None:
+        event["cache_salt"] = cache_salt
     if adapter is not None:
         event["adapter"] = adapter
     if isinstance(request, ChatRequest):
@@ -181,7 +185,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     for i, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{i}]: only text parts are supported by Kev (got type "
-                              f"{str(part.get('type'))[:40]!r})", param=f"{where}[{i}]", code="unsupported_value")
+                              f"{_shown(part.get('type'), 40)})", param=f"{where}[{i}]", code="unsupported_value")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -193,6 +197,14 @@ def _prompt(prompt: str | list[Any]) -> str:
         return prompt[0]
     raise bad_request("prompt: give one string; batches of prompts and token-id prompts are not supported by Kev",
                       param="prompt", code="unsupported_value")
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """A short JSON rendering of a client's value for an error message; never fails on odd input."""
+    try:
+        return msgspec.json.encode(value).decode()[:limit]
+    except (RecursionError, TypeError, ValueError):
+        return type(value).__name__
 
 
 def _invalid_field(message: str) -> ApiError:

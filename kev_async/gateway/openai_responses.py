@@ -4,7 +4,7 @@
 OpenAI's finish_reason has no `timeout`: an answer cut by its deadline ends with `length` (a limit
 cut it), and the header `x-kev-finish-reason` keeps Kev's own reason. Kev's audit never enters the
 body: it rides in the `x-kev-audit` header (whole responses) or an SSE comment (streams), both of
-which OpenAI clients ignore.
+which OpenAI clients ignore, and only for tenants that opted in (gateway.audit_tenants).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ ERROR_STATUS = {"invalid_field": 400, "empty_prompt": 400, "too_large": 400, "pr
                 "unknown_adapter": 404, "adapter_error": 500, "overloaded": 429, "answer_too_large": 500}
 
 
-def usage(answer: AnswerEvent) -> dict[str, Any]:
+def usage(answer: AnswerEvent, *, show_cached: bool = True) -> dict[str, Any]:
+    """`show_cached=False` (anonymous callers): cached_tokens 0, so nobody learns about anyone's prefixes."""
     prompt, completion = answer.usage.prompt_tokens, answer.usage.completion_tokens
+    cached = answer.usage.cached_prompt_tokens if show_cached else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": answer.usage.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_reason(answer: AnswerEvent) -> str:
@@ -51,17 +53,19 @@ def raise_for_error(answer: AnswerEvent) -> None:
     raise ApiError(ERROR_STATUS.get(code, 500), message, code=code)
 
 
-def chat_completion(answer: AnswerEvent, *, id_: str, model: str, created: int) -> dict[str, Any]:
+def chat_completion(answer: AnswerEvent, *, id_: str, model: str, created: int,
+                    show_cached: bool = True) -> dict[str, Any]:
     return {"id": id_, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text, "refusal": None},
                          "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer), "system_fingerprint": None}
+            "usage": usage(answer, show_cached=show_cached), "system_fingerprint": None}
 
 
-def text_completion(answer: AnswerEvent, *, id_: str, model: str, created: int) -> dict[str, Any]:
+def text_completion(answer: AnswerEvent, *, id_: str, model: str, created: int,
+                    show_cached: bool = True) -> dict[str, Any]:
     return {"id": id_, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": answer.text, "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer), "system_fingerprint": None}
+            "usage": usage(answer, show_cached=show_cached), "system_fingerprint": None}
 
 
 class ChunkMaker:
@@ -82,8 +86,8 @@ class ChunkMaker:
     def last(self, answer: AnswerEvent) -> dict[str, Any]:
         return self._choice({} if self.chat else "", finish_reason(answer))
 
-    def usage(self, answer: AnswerEvent) -> dict[str, Any]:
-        return {**self.head, "choices": [], "usage": usage(answer)}
+    def usage(self, answer: AnswerEvent, *, show_cached: bool = True) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage(answer, show_cached=show_cached)}
 
     def _choice(self, delta: Any, reason: str | None) -> dict[str, Any]:
         if self.chat:
@@ -93,11 +97,18 @@ class ChunkMaker:
         return {**self.head, "choices": [choice]}
 
 
-def kev_headers(answer: AnswerEvent) -> dict[str, str]:
-    """Kev's own view of the answer, as ASCII header values."""
-    audit = {"finish_reason": answer.finish_reason, "audit": msgspec.to_builtins(answer.audit),
-             "timings": msgspec.to_builtins(answer.timings)}
-    return {"x-kev-finish-reason": answer.finish_reason, "x-kev-audit": ascii_json(audit)}
+def kev_headers(answer: AnswerEvent, *, audit: bool) -> dict[str, str]:
+    """Kev's own view of the answer, as ASCII header values; the audit (worker, blocks, batch sizes) only when
+    the caller's tenant opted in (gateway.audit_tenants)."""
+    headers = {"x-kev-finish-reason": answer.finish_reason}
+    if audit:
+        headers["x-kev-audit"] = audit_json(answer)
+    return headers
+
+
+def audit_json(answer: AnswerEvent) -> str:
+    return ascii_json({"finish_reason": answer.finish_reason, "audit": msgspec.to_builtins(answer.audit),
+                       "timings": msgspec.to_builtins(answer.timings)})
 
 
 def ascii_json(data: Any) -> str:

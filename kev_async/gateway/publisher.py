@@ -3,6 +3,11 @@
 A question counts as sent once the broker acked it (acks=all); if that takes longer than
 `publish_timeout_ms` the broker is taken to be down and the request gets a 503 at once, rather
 than waiting out aiokafka's own 40 s metadata and request timeouts.
+
+Every record is signed (kafka.trust, when a key is configured), so workers honour the question's
+tenant, cache_salt and reply_topic and apply the cancels. A question's record timestamp is the
+request's arrival, so a worker measures its deadline from then, not from when it got to it.
+Cancels are keyed `cancel:<question_id>`, as every control command is keyed by what it changes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from aiokafka.errors import KafkaError
 from consumers.security import client_options
 from kev_async.gateway.errors import ApiError
 from schemas import ControlEvent, KafkaConfig, QuestionEvent, encode
+from schemas.control import control_key
+from schemas.signing import CONTROL, QUESTION, Signer
 
 log = structlog.get_logger("kev.gateway.publisher")
 
@@ -30,8 +37,8 @@ class BrokerUnavailable(ApiError):
 
 
 class QuestionPublisher:
-    def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int, signer: Signer | None = None) -> None:
+        self.cfg, self.signer = cfg, signer
         self.timeout = publish_timeout_ms / 1000
         self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", linger_ms=0,
                                          request_timeout_ms=max(1000, publish_timeout_ms),
@@ -53,14 +60,16 @@ class QuestionPublisher:
             except KafkaError as error:
                 log.warning("gateway.producer_stop_failed", error=repr(error))
 
-    async def publish(self, question: QuestionEvent) -> None:
-        """Send and wait for the broker's ack; BrokerUnavailable (503) when it does not come in time."""
+    async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
+        """Send (stamped `arrived_ms`, epoch ms) and wait for the broker's ack; BrokerUnavailable (503) when it
+        does not come in time."""
+        value = encode(question)
         try:
             # asyncio's own timeout: half the event loop's time of anyio.fail_after (~9 against ~19 us), and the
             # gateway runs on asyncio anyway (aiokafka needs it).
             async with asyncio.timeout(self.timeout):
-                delivery = await self.producer.send(self.cfg.questions_topic, encode(question),
-                                                    key=question.question_id.encode())
+                delivery = await self.producer.send(self.cfg.questions_topic, value, key=question.question_id.encode(),
+                                                    timestamp_ms=arrived_ms, headers=self._signed(value, QUESTION))
                 await delivery
         except TimeoutError:
             self.healthy = False
@@ -73,12 +82,17 @@ class QuestionPublisher:
     async def cancel(self, question_id: str) -> bool:
         """Tell every worker to drop the question (its KV blocks are freed); shielded, bounded, best effort."""
         event = ControlEvent(action="cancel", question_id=question_id)
+        value = encode(event)
         with anyio.move_on_after(CANCEL_TIMEOUT_S, shield=True):
             try:
-                await (await self.producer.send(self.cfg.control_topic, encode(event)))
+                await (await self.producer.send(self.cfg.control_topic, value, key=control_key(event),
+                                                headers=self._signed(value, CONTROL)))
                 return True
             except KafkaError as error:
                 log.warning("gateway.cancel_failed", question_id=question_id, error=repr(error))
                 return False
         log.warning("gateway.cancel_timed_out", question_id=question_id)
         return False
+
+    def _signed(self, value: bytes, purpose: bytes) -> list[tuple[str, bytes]] | None:
+        return self.signer.headers(value, purpose) if self.signer is not None else None

@@ -30,6 +30,7 @@ from consumers.security import client_options
 from kev_async.gateway.app import Gateway, create_app
 from kev_async.gateway.auth import Authenticator
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
+from kev_async.gateway.exposure import check_exposure
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.publisher import QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
@@ -63,7 +64,8 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
         raise ValueError("the gateway needs a running broker: set kafka.bootstrap_servers (or --bootstrap-servers) "
                          "to the brokers the workers use; `kev demo --http` runs both on the embedded broker")
     auth = Authenticator.from_config(cfg.gateway)
-    publisher = QuestionPublisher(kafka, cfg.gateway.publish_timeout_ms)
+    signer = check_exposure(cfg, keys_configured=auth.enabled)  # GatewayRefused: listen nowhere
+    publisher = QuestionPublisher(kafka, cfg.gateway.publish_timeout_ms, signer)
     replies = ReplyRouter(kafka, reply_topic_name())
     gateway = Gateway(cfg, publisher, replies, ModelCatalog(served_model_name(cfg)), auth, GatewayMetrics())
     await publisher.start()
@@ -74,7 +76,8 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
             url = socket_url(sock)
             log.info("gateway.ready", url=url, model=gateway.catalog.model, reply_topic=replies.topic,
-                     auth="api_keys" if auth.enabled else "off", bootstrap_servers=kafka.bootstrap_servers)
+                     auth="api_keys" if auth.enabled else "anonymous", sign_key=signer.key_id,
+                     bootstrap_servers=kafka.bootstrap_servers)
             http_stopped = anyio.Event()
             tg.start_soon(_serve_http, create_app(gateway), sock, shutdown, http_stopped)
             task_status.started(GatewayRunning(url, replies.topic, gateway.catalog.model))

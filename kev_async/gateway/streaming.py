@@ -13,13 +13,13 @@ import time
 from typing import TYPE_CHECKING
 
 import anyio
-import msgspec
 from anyio import CancelScope
 from starlette.types import Receive, Scope, Send
 
+from kev_async.gateway.callers import Caller
 from kev_async.gateway.errors import ApiError
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wants_usage_in_stream
-from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, ascii_json, raise_for_error, sse
+from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, audit_json, raise_for_error, sse
 from kev_async.gateway.replies import Pending
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
 
@@ -42,17 +42,23 @@ async def watch_disconnect(receive: Receive, scope: CancelScope | None) -> None:
 
 class AnswerStream:
     def __init__(self, gateway: "Gateway", question: QuestionEvent, request: ChatRequest | CompletionRequest, *,
-                 chat: bool, wait_s: float, started: float) -> None:
+                 caller: Caller, chat: bool, wait_s: float, started: float, arrived_ms: int) -> None:
         self.gateway, self.question, self.wait_s, self.started = gateway, question, wait_s, started
+        self.caller, self.arrived_ms = caller, arrived_ms
         self.include_usage = wants_usage_in_stream(request)
         self.chunks = ChunkMaker(chat=chat, id_=question.question_id, model=request.model, created=int(time.time()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, question_id = self.gateway, self.question.question_id
-        with gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
+        try:  # nothing sent yet: a plain HTTP error (429, 503) is still possible
+            slot = gateway.slots.take(self.caller.tenant)
+        except ApiError as error:
+            await error.response()(scope, receive, send)
+            return
+        with slot, gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
             try:
-                await gateway.publish(self.question)
-            except ApiError as error:  # nothing sent yet: a plain HTTP error is still possible
+                await gateway.publish(self.question, self.arrived_ms)
+            except ApiError as error:
                 await error.response()(scope, receive, send)
                 return
             answered = False
@@ -97,11 +103,10 @@ class AnswerStream:
         out = sse(self.chunks.text(tail)) if tail else b""
         out += sse(self.chunks.last(answer))
         if self.include_usage:
-            out += sse(self.chunks.usage(answer))
-        # An SSE comment: clients skip it, so Kev's audit rides along without touching the chunk schema.
-        out += b": x-kev-audit " + ascii_json({"finish_reason": answer.finish_reason,
-                                               "audit": msgspec.to_builtins(answer.audit),
-                                               "timings": msgspec.to_builtins(answer.timings)}).encode() + b"\n\n"
+            out += sse(self.chunks.usage(answer, show_cached=not self.caller.anonymous))
+        if self.caller.audit:
+            # An SSE comment: clients skip it, so Kev's audit rides along without touching the chunk schema.
+            out += b": x-kev-audit " + audit_json(answer).encode() + b"\n\n"
         await self._send(send, out + SSE_DONE, more=False)
 
     async def _send(self, send: Send, body: bytes, *, more: bool = True) -> None:
