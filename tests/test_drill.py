@@ -10,6 +10,7 @@ import pytest
 
 from kev_async.drill_checks import check_run
 from schemas import AnswerEvent
+from schemas.answers import Audit
 
 pytest_plugins = ["serve_fixtures"]
 pytestmark = pytest.mark.anyio
@@ -27,16 +28,19 @@ async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
     options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=15.0,
                            model=str(tiny_model_dir), workdir=tmp_path / "drill")
     result = await run_drill(options, out=print)
-    print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates, "
+    print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates "
+          f"(bound {result.duplicate_bound}), "
           f"{result.commits_checked} commits checked, pools {result.kv_pools}")
     assert not result.missing, result.missing
     assert not result.duplicates_differing, result.duplicates_differing
+    assert result.duplicates <= result.duplicate_bound, (result.duplicates, result.duplicate_bound)
     assert not result.commits_before_ack, result.commits_before_ack[:3]
     assert result.commits_checked > 0 and result.final_commit_covers_all
     assert not result.kv_leaks, result.kv_pools
     assert result.workers == {"worker-0": "killed, exit -9", "worker-1": "terminated, exit 0",
                               "worker-2": "terminated, exit 0", "worker-3": "terminated, exit 0"}
     assert sum(pool.startswith("free ") for pool in result.kv_pools.values()) == 3
+    assert result.broker_restart.startswith("held:"), result.broker_restart  # SIGKILLed mid-stream, nothing lost
     assert result.ok
 
 
@@ -68,3 +72,37 @@ def test_the_checks_catch_a_commit_before_the_ack_a_leak_and_a_differing_duplica
     assert result.duplicates == 1 and result.duplicates_differing == ["q1"]
     assert result.kv_leaks == ["w"] and result.kv_pools == {"w": "free 7/8"}
     assert result.final_commit_covers_all and not result.ok
+
+
+def test_duplicates_are_bounded_by_what_the_killed_worker_answered_past_the_commit():
+    from datetime import datetime, timezone
+
+    sent = {"q0": (0, 0), "q1": (0, 1), "q2": (0, 2)}
+
+    def answer(qid: str, worker: str) -> AnswerEvent:
+        return AnswerEvent(question_id=qid, text=qid, audit=Audit(worker=worker))
+
+    # The victim answered q0 and q1 (logged) and q2 (on the topic, killed before its "published" line);
+    # only q0 was committed when it died. The survivor answers q1 and q2 again: two duplicates, both explained.
+    victim_log = "\n".join([
+        _line("published", "01.000000", kind="answers", question_id="q0"),
+        _line("committed", "01.100000", positions={"q-topic:0": 1}),
+        _line("published", "01.200000", kind="answers", question_id="q1"),
+    ])
+    survivor_log = "\n".join([
+        _line("published", "03.000000", kind="answers", question_id="q1"),
+        _line("published", "03.100000", kind="answers", question_id="q2"),
+        _line("committed", "03.200000", positions={"q-topic:0": 3}),
+        _line("engine_actor.stopped", "04.000000", kv_blocks_free=8, kv_blocks_total=8),
+    ])
+    answers = [(answer("q0", "host-1"), _Record(1000)), (answer("q1", "host-1"), _Record(1200)),
+               (answer("q2", "host-1"), _Record(1300)), (answer("q1", "host-2"), _Record(3000)),
+               (answer("q2", "host-2"), _Record(3100))]
+    logs = {"w0": ("killed", -9, victim_log), "w1": ("terminated", 0, survivor_log)}
+    killed_at = datetime(2026, 1, 1, 0, 0, 1, 500000, tzinfo=timezone.utc)
+    result = check_run(sent, answers, logs, {0: 3}, "q-topic", killed={"w0": ("host-1", killed_at)})
+    assert (result.duplicates, result.duplicate_bound) == (2, 2) and result.ok, result
+    # One more duplicate than the kill explains (the survivor answering q0 again) fails the drill.
+    result = check_run(sent, [*answers, (answer("q0", "host-2"), _Record(3200))], logs, {0: 3}, "q-topic",
+                       killed={"w0": ("host-1", killed_at)})
+    assert (result.duplicates, result.duplicate_bound) == (3, 2) and not result.ok
