@@ -390,6 +390,21 @@ def test_a_publish_not_acked_in_time_is_a_503_and_cancelled(kafka_broker):
     assert event.action == "cancel" and event.question_id == question_id
 
 
+def test_a_question_too_large_for_the_broker_is_a_413_and_the_gateway_stays_healthy(kafka_broker):
+    """kafka.max_request_size 2,048: a 1,900-character prompt passes the gateway's own checks but not the
+    producer's record limit. That is this request's fault, not the broker's: 413, /health still ok."""
+    cfg = stack_config(kafka_config(kafka_broker, max_request_size=2048))
+    run(create_topics, cfg.kafka.bootstrap_servers, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
+    with live_stack(cfg, worker=False) as stack:
+        with ExitStack() as held:  # published and acked (no worker answers it): the broker works
+            assert _open_stream(held, stack.url, API_KEY).status_code == 200
+        large = post(stack.url, {"model": MODEL, "messages": [{"role": "user", "content": "sea " * 475}],
+                                 "max_tokens": 1})
+        assert assert_openai_error(large, 413)["code"] == "too_large"
+        health = httpx.get(stack.url + "/health", timeout=10)
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+
 # -- refusing to start --------------------------------------------------------------------------------------
 
 def _kev_gateway(capsys, tmp_path, *args: str, config: dict | None = None) -> tuple[int, str]:

@@ -17,7 +17,7 @@ import asyncio
 import anyio
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from consumers.security import client_options
 from kev_async.gateway.errors import ApiError
@@ -36,13 +36,20 @@ class BrokerUnavailable(ApiError):
                          code="broker_unavailable")
 
 
+class QuestionTooLarge(ApiError):
+    """The broker or the producer refused this one record for its size: the request's fault, not the broker's."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(413, f"The question is too large for Kev's message broker ({why}).", code="too_large")
+
+
 class QuestionPublisher:
     def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int, signer: Signer | None = None) -> None:
         self.cfg, self.signer = cfg, signer
         self.timeout = publish_timeout_ms / 1000
         self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", linger_ms=0,
                                          request_timeout_ms=max(1000, publish_timeout_ms),
-                                         **client_options(cfg.security))
+                                         max_request_size=cfg.max_request_size, **client_options(cfg.security))
         self.healthy = False  # the last publish was acked
 
     async def start(self) -> None:
@@ -74,6 +81,8 @@ class QuestionPublisher:
         except TimeoutError:
             self.healthy = False
             raise BrokerUnavailable(f"no ack within {self.timeout:g} s") from None
+        except MessageSizeTooLargeError as error:  # this record only: the broker is fine
+            raise QuestionTooLarge(str(error) or type(error).__name__) from None
         except KafkaError as error:
             self.healthy = False
             raise BrokerUnavailable(type(error).__name__) from None
