@@ -13,7 +13,12 @@ so the control topic has one partition (consumers.topics creates it so).
 
 Cancels (`action: cancel`) are skipped while catching up: they were meant for questions in flight
 then, and a question this worker takes later under the same id must not be cancelled by history.
-Only cancels that arrive once the reader is ready are sent on.
+Only cancels that arrive once the reader is ready are sent on, and only while they are younger than
+`cancel_max_age_s` by their record timestamp (10 minutes): a cancel matters only while its question
+may still run, and a reader that fell behind (or whose catch-up timed out) must not send history on
+as live cancels. The control audit tombstones each cancel once it is that old, so the compacted
+topic does not keep one record per cancelled question for good; a tombstone (a null value) is
+skipped silently here: it is compaction's marker, not a bad command.
 
 `wrap(event, offset)` (default: the event alone) lets the caller keep each command's offset, its
 identity: `kev serve` passes it on as the command's id, so an engine that has applied a command
@@ -51,6 +56,13 @@ from schemas.signing import CONTROL, Signer, Verifier
 
 log = structlog.get_logger("kev.consumers.control")
 
+CANCEL_MAX_AGE_S = 600.0  # a cancel older than this (record timestamp) is history: not sent on, tombstoned
+# Said with an unsigned command skipped: what an operator upgrading from unsigned control does about it.
+UNSIGNED_HINT = ("control commands are applied only when signed (kafka.trust): publish this command again, "
+                 "signed (consumers.control.send_control with a key in kafka.trust)")
+ROOT_HINT = ("; its path must lie under adapters.root (default ~/.cache/kev/adapters; a relative path is "
+             "taken under it): set adapters.root to the directory that holds your adapters")
+
 
 async def run_control_reader(
     cfg: KafkaConfig,
@@ -62,6 +74,7 @@ async def run_control_reader(
     poll_timeout_ms: int = 100,
     consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
     wrap: Callable[[ControlEvent, int], Any] | None = None,  # builds what is sent from (event, offset)
+    cancel_max_age_s: float = CANCEL_MAX_AGE_S,
 ) -> None:
     """Send each valid command on `cfg.control_topic` to `out`, from the topic's first record, until
     cancelled (or until `out`'s receiver is closed); closes `out` when it ends.
@@ -76,7 +89,8 @@ async def run_control_reader(
         auto_offset_reset="earliest", enable_auto_commit=False,
         **client_options(cfg.security), **dict(consumer_options or {}),
     )
-    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event), ControlGate(cfg))
+    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event), ControlGate(cfg),
+                            cancel_max_age_s)
     async with out:
         if create_topic:
             await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security,
@@ -101,12 +115,14 @@ async def run_control_reader(
 
 class _ControlReader:
     def __init__(self, consumer: AIOKafkaConsumer, out: MemoryObjectSendStream[ControlEvent],
-                 poll_timeout_ms: int, wrap: Callable[[ControlEvent, int], Any], gate: "ControlGate") -> None:
+                 poll_timeout_ms: int, wrap: Callable[[ControlEvent, int], Any], gate: "ControlGate",
+                 cancel_max_age_s: float = CANCEL_MAX_AGE_S) -> None:
         self.consumer, self.out, self.poll_timeout_ms, self.wrap = consumer, out, poll_timeout_ms, wrap
         self.gate = gate
+        self.cancel_max_age_ms = cancel_max_age_s * 1000
         self.sent = 0
         self.skipped = 0
-        self.stale_cancels = 0  # cancels found while catching up, not sent
+        self.stale_cancels = 0  # cancels found while catching up or older than cancel_max_age_s, not sent
         self.replaying = True
 
     async def catch_up(self, timeout: float) -> int:
@@ -125,12 +141,19 @@ class _ControlReader:
         batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms)
         for records in batch.values():
             for record in records:
+                if record.value is None:
+                    continue  # a tombstone (control_audit.py): nothing to apply, nothing wrong
                 event = self._decode(record)
-                if event is not None and event.action == "cancel" and self.replaying:
+                if event is not None and event.action == "cancel" and (self.replaying or self._stale(record)):
                     self.stale_cancels += 1
+                    if not self.replaying:
+                        log.debug("control.cancel_stale", offset=record.offset, question_id=event.question_id)
                 elif event is not None:
                     await self.out.send(self.wrap(event, record.offset))
                     self.sent += 1
+
+    def _stale(self, record: ConsumerRecord) -> bool:
+        return cancel_age_ms(record) > self.cancel_max_age_ms
 
     def _decode(self, record: ConsumerRecord) -> ControlEvent | None:
         checked = self.gate.check(record)
@@ -138,7 +161,7 @@ class _ControlReader:
             return checked
         log.warning("control.skipped", topic=record.topic, partition=record.partition, offset=record.offset,
                     reason=checked.reason, message=checked.message,
-                    **({"key_id": checked.key_id} if checked.key_id else {}))
+                    **({"key_id": checked.key_id} if checked.key_id else {}), **_unsigned_hint(checked, record))
         self.skipped += 1
         return None
 
@@ -151,6 +174,29 @@ class _ControlReader:
             if highwater is None or await self.consumer.position(tp) < highwater:
                 return False
         return True
+
+
+def cancel_age_ms(record: ConsumerRecord, now_ms: float | None = None) -> float:
+    """How old a record is by its timestamp; one from the future (or with none) is new."""
+    now_ms = time.time() * 1000 if now_ms is None else now_ms
+    stamp = record.timestamp if record.timestamp is not None and record.timestamp >= 0 else now_ms
+    return max(0.0, now_ms - stamp)
+
+
+def _unsigned_hint(checked: Rejected, record: ConsumerRecord) -> dict:
+    """For an unsigned record that is a well-formed command (one written before commands had to be
+    signed, typically): the command, and what the operator does to have it applied again."""
+    if checked.reason != "unsigned":
+        return {}
+    try:
+        event = decode_control(record.value or b"")
+    except Exception:  # noqa: BLE001 - not a command at all: the reason says enough
+        return {}
+    if event.action == "cancel":
+        return {}
+    hint = UNSIGNED_HINT + (ROOT_HINT if event.action == "load_adapter" else "")
+    return {"action": event.action, "hint": hint, **({"name": event.name} if event.name else {}),
+            **({"path": event.path} if event.path else {}), **({"defaults": event.defaults} if event.defaults else {})}
 
 
 def control_record(event: ControlEvent, signer: Signer) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:

@@ -1,29 +1,43 @@
-"""Dead letters for control records that will not be applied (unsigned, forged, wrongly keyed, not a
-command), written once for the whole fleet.
+"""The fleet's one-per-record chores on the control topic: dead letters for control records that will
+not be applied (unsigned, forged, wrongly keyed, not a command), and tombstones for old cancels.
 
-Every worker's control reader reads every control record (no consumer group), so if readers wrote
-the dead letters, N workers would write N copies of each, and every restart would write them again
-on replay. The audit is instead one consumer group, `<kafka.group_id>.control-audit`, that every
-worker joins: the control topic's single partition is assigned to one member at a time, which
-dead-letters each rejected record and commits past it once the dead letter is acked. A record is
-dead-lettered once (at least once, if a member dies between the ack and the commit), also when it
-was published while no worker ran. The dead letter keeps the record's value, key and headers and
-adds the dlq.* headers (consumers/messages.py) with the reason.
+Every worker's control reader reads every control record (no consumer group), so if readers did
+these, N workers would do each N times, and every restart would do them again on replay. The audit
+is instead one consumer group, `<kafka.group_id>.control-audit`, that every worker joins: the control
+topic's single partition is assigned to one member at a time.
+
+- Dead letters: the member dead-letters each rejected record (its value, key and headers, plus the
+  dlq.* headers of consumers/messages.py with the reason), at least once: again if the partition
+  moves to another member before the commit past it (see below for when that is held back).
+- Tombstones: the control topic is compacted and each cancel has its own key (`cancel:<question
+  id>`), so without a tombstone (same key, null value) every cancel would stay on the topic for good
+  and make every worker's catch-up longer. A tombstone must not remove a cancel before the workers
+  have read it (compaction may run as soon as the tombstone's segment is closed, with the default
+  min.compaction.lag.ms of 0), so the member writes it only once the cancel is older than
+  `cancel_max_age_s` (control.CANCEL_MAX_AGE_S, the age past which workers ignore a cancel anyway).
+  Until then the group's committed offset stays at the oldest cancel not yet tombstoned, so a member
+  that takes the partition over reads it again and tombstones it in its turn (a second tombstone
+  for a key changes nothing); rejected records after it may then be dead-lettered a second time.
+
+The audit is not essential: a broker that is away, or any other failure, is logged
+(`control.audit_failed`) and the audit starts again after a backoff (1 s doubling to 30 s). It never
+raises, so it never takes the control reader down with it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
-from consumers.control import ControlGate, Rejected
+from consumers.control import CANCEL_MAX_AGE_S, ControlGate, Rejected, cancel_age_ms
 from consumers.messages import (
     HEADER_DLQ_MESSAGE,
     HEADER_DLQ_OFFSET,
@@ -35,6 +49,7 @@ from consumers.security import client_options
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.consumers.control_audit")
+CANCEL_KEY_PREFIX = b"cancel:"
 
 
 def audit_group(cfg: KafkaConfig) -> str:
@@ -47,45 +62,136 @@ async def run_control_audit(
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     poll_timeout_ms: int = 200,
     consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs (group timings)
+    cancel_max_age_s: float = CANCEL_MAX_AGE_S,
+    backoff_s: tuple[float, float] = (1.0, 30.0),  # the first wait after a failure, and the longest
 ) -> None:
-    """Dead-letter every rejected control record until cancelled; expects the control topic to exist."""
-    security = client_options(cfg.security)
-    consumer = AIOKafkaConsumer(cfg.control_topic, bootstrap_servers=cfg.bootstrap_servers,
-                                group_id=audit_group(cfg), enable_auto_commit=False,
-                                auto_offset_reset="earliest", **security, **dict(consumer_options or {}))
-    # acks=all without idempotence, as the worker: Tansu rejects idempotent producers.
-    producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", enable_idempotence=False,
-                                **security)
-    gate = ControlGate(cfg)
-    await producer.start()
-    try:
-        await consumer.start()
-        task_status.started()
-        while True:
-            batch = await consumer.getmany(timeout_ms=poll_timeout_ms)
-            for records in batch.values():
-                for record in records:
-                    checked = gate.check(record)
-                    if isinstance(checked, Rejected):
-                        await _dead_letter(producer, cfg.dlq_topic, record, checked)
-                        # Past it at once (not the whole batch): a rebalance now must not send it twice.
-                        await _commit(consumer, {TopicPartition(record.topic, record.partition): record.offset + 1})
-            if batch:
-                await _commit(consumer)
-    finally:
-        with anyio.move_on_after(5.0, shield=True):
-            for client in (consumer, producer):
-                try:
-                    await client.stop()
-                except KafkaError as error:
-                    log.warning("control.audit_stop_failed", error=repr(error))
+    """Dead-letter rejected control records and tombstone old cancels until cancelled; never raises.
+    Ready at once (it is best effort); expects the control topic to exist."""
+    audit = _Audit(cfg, cancel_max_age_s)
+    task_status.started()
+    wait = backoff_s[0]
+    while True:
+        try:
+            await audit.run(poll_timeout_ms, consumer_options)
+        except Exception as error:  # noqa: BLE001 - the audit is best effort; the control reader goes on
+            if audit.healthy:  # it had been running: a new failure, not the same one again
+                wait = backoff_s[0]
+            fields = {"error": repr(error)[:500], "retry_in_s": wait}
+            if isinstance(error, (KafkaError, OSError)):
+                log.warning("control.audit_failed", **fields)
+            else:  # a bug: said loudly, still retried
+                log.exception("control.audit_failed", **fields)
+        audit.healthy = False
+        await anyio.sleep(wait)
+        wait = min(wait * 2, backoff_s[1])
 
 
-async def _commit(consumer: AIOKafkaConsumer, offsets=None) -> None:
-    try:
-        await consumer.commit(offsets)
-    except KafkaError as error:  # a rebalance under way: the next member starts from the last commit
-        log.warning("control.audit_commit_failed", error=repr(error))
+class _Audit:
+    """One member's state: the cancels it read and has not tombstoned yet, and how far it read."""
+
+    def __init__(self, cfg: KafkaConfig, cancel_max_age_s: float) -> None:
+        self.cfg, self.gate = cfg, ControlGate(cfg)
+        self.max_age_ms = cancel_max_age_s * 1000
+        self.cancels: dict[TopicPartition, dict[int, bytes]] = {}  # offset -> key, not yet tombstoned
+        self.stamps: dict[tuple[TopicPartition, int], float] = {}  # when each cancel may be tombstoned (ms)
+        self.read_to: dict[TopicPartition, int] = {}  # the offset after the last record handled
+        self.committed: dict[TopicPartition, int] = {}  # what this member last committed
+        self.healthy = False  # both clients started since the last failure
+
+    async def run(self, poll_timeout_ms: int, consumer_options: Mapping[str, Any] | None) -> None:
+        cfg, security = self.cfg, client_options(self.cfg.security)
+        consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, group_id=audit_group(cfg),
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    **security, **dict(consumer_options or {}))
+        consumer.subscribe([cfg.control_topic], listener=_Revoked(self, consumer))
+        # acks=all without idempotence, as the worker: Tansu rejects idempotent producers.
+        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
+                                    enable_idempotence=False, **security)
+        self.forget(list(self.read_to))  # re-read from the group's commit, as any member would
+        try:
+            await producer.start()
+            await consumer.start()
+            self.healthy = True
+            while True:
+                batch = await consumer.getmany(timeout_ms=poll_timeout_ms)
+                for records in batch.values():
+                    for record in records:
+                        await self._handle(consumer, producer, record)
+                await self._tombstone_due(producer)
+                await self._commit(consumer)
+        finally:
+            with anyio.move_on_after(5.0, shield=True):
+                for client in (consumer, producer):
+                    try:
+                        await client.stop()
+                    except Exception as error:  # noqa: BLE001 - stopping a client that never started
+                        log.debug("control.audit_stop_failed", error=repr(error))
+
+    async def _handle(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, record: ConsumerRecord) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        self.read_to[tp] = record.offset + 1
+        if record.value is None:
+            return  # a tombstone: compaction's marker, not a command
+        if record.key is not None and record.key.startswith(CANCEL_KEY_PREFIX):
+            # Its due time counts from when it was published (or from now, if stamped in the future).
+            self.cancels.setdefault(tp, {})[record.offset] = record.key
+            self.stamps[(tp, record.offset)] = time.time() * 1000 - cancel_age_ms(record) + self.max_age_ms
+        checked = self.gate.check(record)
+        if isinstance(checked, Rejected):
+            await _dead_letter(producer, self.cfg.dlq_topic, record, checked)
+            # Past it at once (not the whole batch): a rebalance now must not send it twice.
+            await self._commit(consumer)
+
+    async def _tombstone_due(self, producer: AIOKafkaProducer) -> None:
+        now = time.time() * 1000
+        # Chosen before any await: a revocation (the listener) may forget a partition meanwhile.
+        due = [(tp, offset, key) for tp, pending in self.cancels.items() for offset, key in pending.items()
+               if self.stamps[(tp, offset)] <= now]
+        if not due:
+            return
+        # Sent together, then awaited: the producer batches them.
+        acks = [await producer.send(tp.topic, None, key=key, partition=tp.partition) for tp, _, key in due]
+        for ack in acks:
+            await ack
+        for tp, offset, _ in due:
+            self.cancels.get(tp, {}).pop(offset, None)
+            self.stamps.pop((tp, offset), None)
+        log.info("control.cancels_tombstoned", count=len(due), topic=self.cfg.control_topic)
+
+    def forget(self, partitions) -> None:
+        """Drop what this member held of `partitions`: whoever reads them next starts at the commit."""
+        for tp in partitions:
+            for offset in self.cancels.pop(tp, {}):
+                self.stamps.pop((tp, offset), None)
+            self.read_to.pop(tp, None)
+            self.committed.pop(tp, None)
+
+    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
+        """Commit what was read, but not past a cancel still to be tombstoned; only what moved."""
+        offsets = {tp: min(self.cancels[tp]) if self.cancels.get(tp) else end for tp, end in self.read_to.items()}
+        offsets = {tp: offset for tp, offset in offsets.items() if self.committed.get(tp) != offset}
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+        except KafkaError as error:  # a rebalance under way: the next member starts from the last commit
+            log.warning("control.audit_commit_failed", error=repr(error))
+            return
+        self.committed.update(offsets)
+
+
+class _Revoked(ConsumerRebalanceListener):
+    """Before the partition moves: commit what this member did, then let go of what it held."""
+
+    def __init__(self, audit: _Audit, consumer: AIOKafkaConsumer) -> None:
+        self.audit, self.consumer = audit, consumer
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self.audit._commit(self.consumer)
+        self.audit.forget(revoked)
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        pass
 
 
 async def _dead_letter(producer: AIOKafkaProducer, topic: str, record: ConsumerRecord, why: Rejected) -> None:
@@ -100,4 +206,3 @@ async def _dead_letter(producer: AIOKafkaProducer, topic: str, record: ConsumerR
         return
     log.warning("control.dead_letter", offset=record.offset, reason=why.reason, topic=topic,
                 **({"key_id": why.key_id} if why.key_id else {}))
-

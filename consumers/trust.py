@@ -44,13 +44,10 @@ class QuestionGate:
         self.trust = trust
         self.verifier = Verifier.from_config(trust)  # reads keys_file once; a bad key fails the start
         self.reply_topic = re.compile(trust.reply_topic_pattern)
-        self.counts = {"signed": 0, "unsigned": 0, "forged": 0, "refused": 0, "cleared": 0}
 
     def admit(self, question: QuestionEvent, value: bytes, headers: Headers, bound=log) -> Admitted:
         verification = self.verifier.verify(value, headers, QUESTION)
-        self.counts[verification.verdict] += 1
         if not verification.trusted and self.trust.unsigned_questions == "refuse":
-            self.counts["refused"] += 1
             self._log(bound, verification, question, refused=True)
             return Admitted(question, verification, refused=(
                 f"this topic takes signed questions only (kafka.trust.unsigned_questions: refuse); "
@@ -64,7 +61,6 @@ class QuestionGate:
         if not verification.trusted:
             self._log(bound, verification, question, cleared=sorted(changes))
         if changes:
-            self.counts["cleared"] += 1
             question = msgspec.structs.replace(question, **changes)
         return Admitted(question, verification)
 

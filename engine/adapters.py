@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up"
          "down": ("down_proj",)}
 TARGETS = tuple(t for targets in FUSED.values() for t in targets)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT adapter_config.json is a few KB
 # PEFT features that change the math beyond plain LoRA: refused by name rather than served wrong.
 UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
                "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "layer_replication": None,
@@ -83,7 +86,7 @@ def load_adapter(name: str, path: str | Path, model, version: int = 1) -> LoraAd
     """Read a PEFT LoRA directory and fuse it for `model`; AdapterError says what does not fit."""
     path = Path(path)
     config = read_config(name, path, model)
-    weights = _read_weights(name, path)
+    weights = _read_weights(name, path, model.spec)
     pairs = _pair_weights(name, weights, model.spec.num_layers)
     _check_targets(name, config, pairs)
     shapes = target_shapes(model.spec)
@@ -93,10 +96,9 @@ def load_adapter(name: str, path: str | Path, model, version: int = 1) -> LoraAd
 
 
 def read_config(name: str, path: Path, model) -> AdapterConfig:
-    file = path / CONFIG_FILE
-    if not file.is_file():
-        raise AdapterError(f"adapter {name!r}: {file} is missing")
-    raw = json.loads(file.read_text())
+    raw = json.loads(read_adapter_file(name, path / CONFIG_FILE, MAX_CONFIG_BYTES))
+    if not isinstance(raw, dict):
+        raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} holds a {type(raw).__name__}, not an object")
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type is {raw['peft_type']!r}; Kev serves LORA adapters")
     for field_name, plain in UNSUPPORTED.items():
@@ -167,13 +169,45 @@ def _plain(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", Path(str(name)).name.lower())
 
 
-def _read_weights(name: str, path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def read_adapter_file(name: str, file: Path, max_bytes: int) -> bytes:
+    """The bytes of a regular file, at most `max_bytes`, through one descriptor.
 
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise AdapterError(f"adapter {name!r}: {file} is missing")
-    return load_file(str(file))
+    adapters.root vets the directory only: a file inside it could be a symlink to anywhere, a FIFO or
+    a device (/dev/zero would never end a read on the device thread). So the file itself is opened
+    without following a symlink and without blocking (a FIFO's open waits for a writer otherwise),
+    and only then checked, on the descriptor: what is checked is what is read."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise AdapterError(f"adapter {name!r}: {file} is missing") from None
+    except OSError as error:
+        why = "it is a symbolic link" if os.path.islink(file) else error.strerror or str(error)
+        raise AdapterError(f"adapter {name!r}: {file} could not be read: {why}; Kev reads adapter files "
+                           f"only as regular files, never through a symbolic link") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AdapterError(f"adapter {name!r}: {file} could not be read: it is not a regular file")
+        if info.st_size > max_bytes:
+            raise AdapterError(f"adapter {name!r}: {file} could not be read: {info.st_size} bytes, "
+                               f"at most {max_bytes} expected")
+        data = handle.read(max_bytes + 1)  # a file growing while read is cut off here
+    if len(data) > max_bytes:
+        raise AdapterError(f"adapter {name!r}: {file} could not be read: it grew beyond {max_bytes} bytes")
+    return data
+
+
+def max_weights_bytes(spec) -> int:
+    """A bound no LoRA of this base model reaches: rank min(in, out) on every target of every layer
+    (a full-rank update) in fp32, plus room for the safetensors header."""
+    full = sum(2 * fin * fout for fin, fout in target_shapes(spec).values())
+    return full * spec.num_layers * 4 + MAX_CONFIG_BYTES
+
+
+def _read_weights(name: str, path: Path, spec) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(read_adapter_file(name, path / WEIGHTS_FILE, max_weights_bytes(spec)))
 
 
 def _pair_weights(name: str, weights: dict[str, torch.Tensor], num_layers: int) -> dict:

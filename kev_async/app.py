@@ -133,8 +133,9 @@ async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Sh
     once the Kafka intake closes the original (the engine's graceful stop). Ready once every command
     already on the topic has been applied; each command is sent with `ask` and applied before the next.
     Adapters load only from under `adapters.root`. Once ready it also joins the control audit
-    (consumers/control_audit.py: dead letters for rejected commands, one per record for the fleet);
-    `audit=None` leaves it out.
+    (consumers/control_audit.py: dead letters for rejected commands, one per record for the fleet, and
+    tombstones for old cancels); `audit=None` leaves it out. The audit retries its own failures and
+    never raises, so a broker that is briefly away never restarts this actor (and its replay).
     """
     started = False
     with shutdown.intake():
@@ -176,7 +177,8 @@ def adapter_path(root: Path, requested: str) -> Path:
     path = (root / requested).resolve()  # an absolute `requested` replaces root
     if not path.is_relative_to(resolved_root):
         raise AdapterPathRefused(f"path {requested[:200]!r} resolves to {str(path)[:200]!r}, outside "
-                                 f"adapters.root {str(resolved_root)!r}")
+                                 f"adapters.root {str(resolved_root)!r}: set adapters.root to the directory "
+                                 f"that holds your adapters (a relative path is taken under it)")
     return path
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -68,7 +68,7 @@ def _read_keys_file(path: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Signer:
     key_id: str
-    secret: str
+    secret: str = field(repr=False)  # a log line or traceback showing the signer never shows the secret
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> "Signer | None":
@@ -105,6 +105,9 @@ class Verification:
 class Verifier:
     def __init__(self, keys: Mapping[str, str]) -> None:
         self.keys = dict(keys)
+
+    def __repr__(self) -> str:  # key ids only, never a secret
+        return f"Verifier(key_ids={sorted(self.keys)!r})"
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> "Verifier":

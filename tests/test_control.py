@@ -238,6 +238,10 @@ async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_bro
     assert [(e["offset"], e["reason"]) for e in skipped[:6]] == [
         (1, "not_json"), (2, "not_json"), (3, "invalid_field"), (5, "unsigned"), (6, "forged"), (7, "wrong_key")]
     assert skipped[4]["key_id"] == "ops"
+    # An unsigned command (as written before commands had to be signed) says what to do about it.
+    assert (skipped[3]["action"], skipped[3]["name"], skipped[3]["path"]) == ("load_adapter", "b", "/adapters/b")
+    assert "publish this command again, signed" in skipped[3]["hint"] and "adapters.root" in skipped[3]["hint"]
+    assert all("hint" not in e for e in skipped[:3] + skipped[4:6])
 
 
 @pytest.mark.kafka

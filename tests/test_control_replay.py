@@ -99,3 +99,143 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
     assert applied == [("load_adapter", 1), ("update_defaults", 2)] * 2  # the same outcome both times
     assert len(named(logs, "lora.loaded")) == 1  # loaded once, not again as version 2
     assert len(named(logs, "engine_actor.command_replayed")) == 2
+
+
+# -- cancels are history after CANCEL_MAX_AGE_S: ignored by readers, tombstoned by the audit -------------
+
+ELEVEN_MINUTES_MS = 11 * 60 * 1000
+
+
+async def produce_stamped(bootstrap: str, topic: str, records, stamps) -> list[int]:
+    """Send (key, value, headers) records with the given timestamps (ms; None = now); their offsets."""
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=False)
+    await producer.start()
+    try:
+        sent = [await producer.send_and_wait(topic, value, key=key, headers=headers, timestamp_ms=stamp)
+                for (key, value, headers), stamp in zip(records, stamps)]
+    finally:
+        await producer.stop()
+    return [meta.offset for meta in sent]
+
+
+def cancel(question_id: str, signer=None):
+    from consumers import control_record
+
+    return control_record(ControlEvent(action="cancel", question_id=question_id), signer or Signer.from_config(TRUST))
+
+
+@pytest.mark.kafka
+async def test_a_reader_sends_no_old_cancel_on_as_live_and_skips_tombstones(kafka_broker, logs):
+    """The review's case: catch-up timed out (here at once), so the topic's history is read as live."""
+    import time
+
+    from consumers import create_topics, run_control_reader
+
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
+    old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
+    await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
+                          [cancel("q-old-1"), cancel("q-old-2"), (b"cancel:q-gone", None, []), cancel("q-new")],
+                          [old, old, None, None])
+    send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg, receive:
+            assert await tg.start(partial(run_control_reader, catch_up_timeout=0.0), kafka, send) == 0
+            assert await receive.receive() == ControlEvent(action="cancel", question_id="q-new")
+            await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,  # a live one, sent late
+                                  [cancel("q-late"), cancel("q-live")], [old, None])
+            assert await receive.receive() == ControlEvent(action="cancel", question_id="q-live")
+            tg.cancel_scope.cancel()
+    assert named(logs, "control.skipped") == []  # a tombstone is no bad command
+
+
+async def _committed(bootstrap: str, group: str, topic: str) -> int | None:
+    from kafka_fixtures import committed
+
+    return (await committed(bootstrap, group, topic, 1))[0]
+
+
+@pytest.mark.kafka
+async def test_the_audit_tombstones_old_cancels_only_and_holds_its_commit_at_a_young_one(kafka_broker, logs):
+    import time
+
+    from kafka_fixtures import FAST_GROUP, read_topic
+
+    from consumers import create_topics, run_control_audit
+    from consumers.control_audit import audit_group
+
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+    old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
+    unsigned = (b"defaults:temperature", b'{"action":"update_defaults","defaults":{"temperature":2.0}}', [])
+    offsets = await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
+                                    [cancel("q-old"), cancel("q-young"), unsigned, cancel("q-older")],
+                                    [old, None, None, old - 1000])
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP), kafka)
+            records = await read_topic(kafka.bootstrap_servers, kafka.control_topic, 6, linger=1.0)
+            # Not past q-young: it is not tombstoned yet, so whoever audits next must read it again.
+            group = audit_group(kafka)
+            deadline = time.monotonic() + 20
+            while await _committed(kafka.bootstrap_servers, group, kafka.control_topic) != offsets[1]:
+                assert time.monotonic() < deadline, "the audit never committed up to the young cancel"
+                await anyio.sleep(0.2)
+            dead = await read_topic(kafka.bootstrap_servers, kafka.dlq_topic, 1, linger=0.5)
+            tg.cancel_scope.cancel()
+
+    tombstones = [r.key for r in records[4:] if r.value is None]
+    assert sorted(tombstones) == [b"cancel:q-old", b"cancel:q-older"]  # not q-young: workers may still need it
+    assert len(records) == 6
+    assert [dict(r.headers)["dlq.reason"] for r in dead] == [b"unsigned"]  # and no dead letter for a tombstone
+
+
+@pytest.mark.kafka
+async def test_a_young_cancel_is_tombstoned_once_it_is_old_enough(kafka_broker):
+    from kafka_fixtures import FAST_GROUP, read_topic
+
+    from consumers import create_topics, run_control_audit
+
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+    await produce_stamped(kafka.bootstrap_servers, kafka.control_topic, [cancel("q-1")], [None])
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP, cancel_max_age_s=1.0), kafka)
+            records = await read_topic(kafka.bootstrap_servers, kafka.control_topic, 2, linger=0.5)
+            tg.cancel_scope.cancel()
+    assert [(r.key, r.value is None) for r in records] == [(b"cancel:q-1", False), (b"cancel:q-1", True)]
+    assert records[1].timestamp - records[0].timestamp >= 1000
+
+
+@pytest.mark.kafka
+async def test_the_audit_outlives_a_broker_that_is_away_and_then_does_its_work(logs):
+    """A failing audit retries on its own; it never raises into the control actor."""
+    import socket
+
+    from kafka_fixtures import FAST_GROUP, read_topic
+
+    from consumers import EmbeddedBroker, create_topics, run_control_audit
+    from schemas import KafkaConfig
+
+    with socket.socket() as probe:  # a port nobody listens on, until the broker is started there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kafka = KafkaConfig(bootstrap_servers=f"127.0.0.1:{port}", group_id="away", control_topic="ctl-away",
+                        dlq_topic="dlq-away", trust=TRUST)
+    unsigned = (b"adapter:x", b'{"action":"load_adapter","name":"x","path":"x"}', [])
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP, backoff_s=(0.2, 1.0)), kafka)
+            while len(named(logs, "control.audit_failed")) < 2:
+                await anyio.sleep(0.1)
+            async with EmbeddedBroker(port=port) as broker:
+                await create_topics(broker.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+                await produce_records(broker.bootstrap_servers, kafka.control_topic, [unsigned])
+                dead = await read_topic(broker.bootstrap_servers, kafka.dlq_topic, 1, timeout=40)
+                tg.cancel_scope.cancel()
+    assert [(r.value, dict(r.headers)["dlq.reason"]) for r in dead] == [(unsigned[1], b"unsigned")]
+    failures = named(logs, "control.audit_failed")
+    assert failures[0]["retry_in_s"] == 0.2 and failures[1]["retry_in_s"] == 0.4  # backing off

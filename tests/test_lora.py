@@ -399,3 +399,69 @@ def test_a_restarted_engine_actor_keeps_its_adapters_and_defaults(adapters, wide
 
 def _raise(error):
     raise error
+
+
+# -- adapter files are read as regular files only (review of issue 26) -------------------------------
+
+@pytest.mark.parametrize("replace", ["symlink-outside", "dev-zero", "fifo", "too-large"])
+def test_an_adapter_file_that_is_not_a_plain_file_is_refused_without_hanging(llama, adapters, tmp_path, replace):
+    import os
+    import shutil
+
+    from engine.adapters import load_adapter
+
+    directory = shutil.copytree(adapters["qv"], tmp_path / "a")
+    config = directory / "adapter_config.json"
+    outside = shutil.copy(config, tmp_path / "elsewhere.json")  # a valid config, but not in the adapter
+    config.unlink()
+    if replace == "symlink-outside":
+        config.symlink_to(outside)
+    elif replace == "dev-zero":
+        config.symlink_to("/dev/zero")
+    elif replace == "fifo":
+        os.mkfifo(config)  # no writer ever comes: opening it for reading would wait for good
+    else:
+        config.write_text(json.dumps({"r": 4, "lora_alpha": 8, "padding": "x" * (1 << 20)}))
+    says = {"symlink-outside": "symbolic link", "dev-zero": "symbolic link", "fifo": "not a regular file",
+            "too-large": "at most 1048576"}[replace]
+    with _no_hang(10):
+        with pytest.raises(AdapterError, match=says) as refused:
+            load_adapter("a", directory, llama.kev)
+    assert "adapter 'a'" in str(refused.value) and "adapter_config.json" in str(refused.value)
+
+
+def test_a_symlinked_weights_file_is_refused(llama, adapters, tmp_path):
+    import shutil
+
+    from engine.adapters import load_adapter
+
+    directory = shutil.copytree(adapters["qv"], tmp_path / "a")
+    weights = directory / "adapter_model.safetensors"
+    moved = weights.rename(tmp_path / "weights.safetensors")
+    weights.symlink_to(moved)
+    with pytest.raises(AdapterError, match="symbolic link"):
+        load_adapter("a", directory, llama.kev)
+    weights.unlink()
+    moved.rename(weights)  # the same bytes as a plain file load
+    assert load_adapter("a", directory, llama.kev).config.rank == 4
+
+
+def _no_hang(seconds: int):
+    """Fails the test (SIGALRM) instead of letting a blocking read hang the run."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def alarm():
+        def fail(*_):
+            raise AssertionError(f"still reading after {seconds}s")
+
+        previous = signal.signal(signal.SIGALRM, fail)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return alarm()

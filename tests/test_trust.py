@@ -226,3 +226,12 @@ async def test_control_commands_must_be_signed_and_adapters_come_from_the_root(
     assert set(failed) == {"abs", "dots", "link"}
     assert all("outside adapters.root" in error for error in failed.values())
     assert {e["reason"] for e in named(logs, "control.skipped")} == {"unsigned", "forged"}
+
+
+def test_no_secret_shows_in_a_signer_or_verifier_repr():
+    from schemas.signing import Verifier
+
+    secret = TRUST.keys["gw"]
+    shown = f"{SIGNER!r} {SIGNER} {Verifier.from_config(TRUST)!r} {[SIGNER]}"  # as a log line or traceback shows it
+    assert secret not in shown
+    assert "gw" in shown  # the key id still says which key
