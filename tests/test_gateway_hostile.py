@@ -260,6 +260,17 @@ def test_fuzzed_requests_never_get_a_500(keyed, request, headers):
         assert response.json()["choices"], response.text
 
 
+def test_after_the_fuzz_the_worker_answers_and_holds_no_kv_block(keyed):
+    """Whatever the fuzz sent (streams hung up on, cancels, refusals), the worker is not stuck and leaks no
+    KV block: a plain request is answered, then every block is free again."""
+    answered = post(keyed.url, {"model": MODEL, "messages": SEA, "max_tokens": 2})
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] is not None
+    deadline = time.monotonic() + 20
+    while (used := keyed.kv_blocks_used()) != 0:
+        assert time.monotonic() < deadline, f"{used} KV blocks still held after the fuzz"
+        time.sleep(0.2)
+
+
 # -- ids, signatures, timestamps, tenants ------------------------------------------------------------------
 
 def test_question_ids_are_random_128_bit(keyed):
