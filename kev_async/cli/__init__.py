@@ -10,8 +10,14 @@ imports every one.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from importlib import import_module
+
+import msgspec
+
+from schemas import ConfigError
+from schemas.signing import TrustKeyError
 
 DESCRIPTION = """\
 Kev answers many independent questions with one language model, one packed forward pass per step.
@@ -37,4 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits on --help and usage errors; return instead
         return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as error:
+        for line in error.lines():
+            print(f"kev {args.command}: {line}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if not _user_mistake(error):
+            raise
+        print(f"kev {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _user_mistake(error: Exception) -> bool:
+    """Errors that a command's arguments or config caused: one line, not a traceback."""
+    if isinstance(error, (TrustKeyError, msgspec.ValidationError)):
+        return True
+    loader = sys.modules.get("engine.loader")  # not imported for `kev --help`: torch is heavy
+    return loader is not None and isinstance(error, loader.ModelNotFound)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
@@ -23,18 +24,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from engine import EngineOptions, IsolatedBatchPipeline, load_model
-    from kev_async.settings import load_config, set_threads
-    from schemas import QuestionEvent
+    from kev_async.settings import load_config
 
     cfg = load_config(args.config)
+    params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
+                                ("seed", args.seed)) if v is not None}
+    problem = _bad_params(params)  # before the model loads: a typo should not cost seconds
+    if problem:
+        print(f"kev ask: {problem}", file=sys.stderr)
+        return 2
+    return _answer(args, cfg, params)
+
+
+def _bad_params(params: dict) -> str | None:
+    import msgspec
+
+    from schemas import Params
+    from schemas._validation import explain
+
+    try:
+        msgspec.convert(params, Params)
+    except msgspec.ValidationError as error:
+        path, reason = explain(error, params, Params)
+        return f"--{path.replace('_', '-')}: {reason}"
+    return None
+
+
+def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
+    from engine import EngineOptions, IsolatedBatchPipeline, load_model
+    from kev_async.settings import set_threads
+    from schemas import QuestionEvent
+
     set_threads(cfg.core.threads)
     model = load_model(args.model or cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
                        weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32)
     options = EngineOptions.from_config(cfg, worker="kev-ask")
     pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
-    params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
-                                ("seed", args.seed)) if v is not None}
     questions = [QuestionEvent(question_id=f"q{i}", prompt=text, system=args.system)
                  for i, text in enumerate(args.questions)]
     started = time.perf_counter()
