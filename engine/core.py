@@ -259,7 +259,7 @@ class EngineCore:
         if problems:
             log.error("forward.isolation_violation", problems=problems, **record)
         else:
-            log.debug("forward.mask", **record)
+            log.info("forward.mask", **record)  # audit is on only when asked for: show it at the default level
 
 
 def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:

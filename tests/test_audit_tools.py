@@ -22,7 +22,7 @@ def json_log_to(path: Path):
         structlog.configure(
             processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
                         structlog.processors.JSONRenderer()],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),  # the default level: enough
             logger_factory=structlog.WriteLoggerFactory(file), cache_logger_on_first_use=False)
         try:
             file.write("kev starting (a console line, not JSON)\n")

@@ -52,9 +52,11 @@ def _bad_params(params: dict) -> str | None:
 
 def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
     from engine import EngineOptions, IsolatedBatchPipeline, load_model
+    from kev_async.logs import configure_logging
     from kev_async.settings import set_threads
     from schemas import QuestionEvent
 
+    configure_logging(cfg.logging.level, cfg.logging.json)
     set_threads(cfg.core.threads)
     model = load_model(args.model or cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
                        weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32)
