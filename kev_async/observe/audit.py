@@ -1,6 +1,6 @@
 """The audit checker: read and re-check the per-forward isolation records the engine logs.
 
-With `EngineOptions(audit=True)` every forward logs one structlog record, `forward.mask` (debug) or
+With `EngineOptions(audit=True)` every forward logs one structlog record, `forward.mask` (info) or
 `forward.isolation_violation` (error), holding each question's rows, positions, kv length and
 blocks (engine/audit.py). `kev audit check LOG` re-verifies every record and the continuity between
 them; `kev audit render LOG --forward N -o mask.png` draws one forward's attention visibility.
