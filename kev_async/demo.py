@@ -44,8 +44,8 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
             summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
         summary["seconds"] = time.perf_counter() - started
         summary["dead_letters"] = await _count(cfg.kafka.dlq_topic, running.bootstrap_servers, 1)
-        out(f"\n{summary['answers']} answers ({summary['errors']} error answers), "
-            f"{summary['dead_letters']} dead letter(s), {summary['tokens']} tokens in {summary['seconds']:.1f}s "
+        out(f"\n{_count_of(summary['answers'], 'answer')} ({_count_of(summary['errors'], 'error answer')}), "
+            f"{_count_of(summary['dead_letters'], 'dead letter')}, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
             f"({summary['tokens'] / summary['seconds']:.1f} tokens/s end to end, through Kafka)")
         if http:
             from kev_async.gateway.demo import demo_over_http
@@ -111,3 +111,7 @@ def _line(answer) -> str:
     text = text if len(text) <= 90 else text[:87] + "..."
     return (f"[{answer.question_id}] {answer.finish_reason:6} {answer.usage.completion_tokens:3} tokens "
             f"{answer.timings.e2e_ms / 1000:5.1f}s  {text}")
+
+
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

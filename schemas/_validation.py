@@ -102,7 +102,8 @@ def _reason(message: str, value: Any, info: Any) -> str:
     if m := _LENGTH.match(message):
         return _length_reason(m["kind"], m["op"], int(m["bound"]), value)
     if m := _TYPE.match(message):
-        scalar = not isinstance(value, (list, dict)) and value is not _MISSING
+        # "got str 'x'" names the value too; "got null" already is the value.
+        scalar = not isinstance(value, (list, dict)) and value is not _MISSING and value is not None
         return f"expected {m['want']}, got {m['got']}" + (f" {show(value)}" if scalar else "")
     if message.startswith("Invalid enum value"):
         allowed = ", ".join(str(v) for v in getattr(info, "values", ()))

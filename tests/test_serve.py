@@ -289,7 +289,7 @@ def test_kev_demo_runs_the_whole_path(tiny_model_dir, tmp_path):
     answer_lines = [line for line in output.splitlines() if line.startswith("[")]
     assert len(answer_lines) == 5, output[-4000:]
     assert sum("error" in line.split("]", 1)[1][:8] for line in answer_lines) == 1, answer_lines
-    assert "5 answers (1 error answers)" in output, output[-4000:]
+    assert "5 answers (1 error answer), 1 dead letter," in output, output[-4000:]
     assert "1 dead letter" in output, output[-4000:]
 
 

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "until Ctrl-C.")
     add_config_and_model(demo)
     demo.add_argument("--questions", type=int, default=32, help="how many questions to publish (default 32)")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per answer (default 64)")
     demo.add_argument("--http", action="store_true", help="also start `kev gateway` and keep serving until Ctrl-C")
     demo.add_argument("--port", type=int, default=None, help="the gateway's port with --http (default gateway.port, "
                                                              "8000; 0 = any free port)")
