@@ -8,8 +8,9 @@ One lock serialises commits, so positions reach the broker in the order the trac
 A failed commit is logged and retried on the next trigger: the positions stay committable, and if
 the partition moved to another worker its records are simply redelivered there (at-least-once).
 
-The RevocationListener also says which partitions are this worker's now (`owns`), so an answer that
-finishes after its partition moved to another worker can be left to that worker (no duplicate).
+The RevocationListener also says which partitions are this worker's now (`owns_now`, or `owns` to
+wait out a rebalance), so an answer that finishes after its partition moved to another worker can be
+left to that worker (no duplicate).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class RevocationListener(ConsumerRebalanceListener):
             if self.before_commit is not None:
                 await self.before_commit()
             committed = await self.committer.commit_revoked(revoked)
-            log.info("partitions_revoked", partitions=len(revoked), committed=_loggable(committed))
+            log.info("partitions_revoked", partitions=[f"{p.topic}:{p.partition}" for p in revoked],
+                     committed=_loggable(committed))  # read by `kev drill` (late acks after a revocation)
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         assigned = sorted(assigned)
@@ -117,6 +119,13 @@ class RevocationListener(ConsumerRebalanceListener):
         self._stable.set()
         log.info("partitions_assigned", partitions=[f"{tp.topic}:{tp.partition}" for tp in assigned])
         self.on_assigned()
+
+    def owns_now(self, partition: Partition) -> bool | None:
+        """Whether `partition` is this worker's, or None while a rebalance is under way (no waiting:
+        the publisher defers only the answers that need to know)."""
+        if not self._stable.is_set():
+            return None
+        return Partition(*partition) in self._assigned
 
     async def owns(self, partition: Partition) -> bool:
         """Whether `partition` is this worker's; during a rebalance, waits (bounded) for its outcome.

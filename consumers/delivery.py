@@ -1,34 +1,34 @@
 """What a publish failure means, and records cut to fit the producer's size limit.
 
-Three kinds of failure, three outcomes (consumers/publisher.py acts on them):
+What to do after a failed publish (`decide`; consumers/publisher.py acts on it):
 - transient (the broker is away, a leader moves, a request timed out): send the same record again
-  with backoff, within a bounded time;
-- the record's own (too large, an illegal or forbidden topic, a value that cannot be encoded): end
-  that record's question another way (an error answer, the answers topic, a dead letter) and go on;
-- anything else, or a transient one past its time: the worker cannot go on; `PublishFailed`.
+  with backoff, within a window counted from the record's first send (`Retries`); a caller's reply
+  topic gets a shorter window, then the answer takes the answers topic;
+- the record's own (too large, a value that cannot be encoded, a timestamp the broker refuses on a
+  forwarded record): end that record's question another way (an error answer, a dead letter) and go on;
+- a reply topic the broker refuses (forbidden, illegal, unknown after retries): the answer takes the
+  answers topic, and that topic is avoided for a while;
+- the fleet's own topic refused (answers, dead letters, deltas, questions), a transient failure past
+  its window, anything else: the worker cannot go on; `PublishFailed`.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import anyio
 import msgspec
 from aiokafka.errors import (
     BrokerNotAvailableError,
-    CorruptRecordException,
-    InvalidMessageError,
     InvalidTimestampError,
-    InvalidTopicError,
     KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
-    PolicyViolationError,
     RecordListTooLargeError,
     RecordTooLargeError,
-    TopicAuthorizationFailedError,
-    UnsupportedForMessageFormatError,
+    UnknownTopicOrPartitionError,
 )
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
@@ -37,15 +37,11 @@ from schemas import AnswerEvent
 # Room kept below max_request_size for what the estimate does not see (a batch's own header, a
 # broker that counts a little differently).
 SIZE_HEADROOM = 1024
-CUT_REQUEST_ID_CHARS = 256  # a request_id that alone would not fit is cut to this
 DEFAULT_MAX_REQUEST_SIZE = 1_048_576  # aiokafka's default for max_request_size
 
 # aiokafka marks retriable what its own sender retries; a timeout (the broker away for longer than
 # request_timeout_ms) and an unreachable broker are transient for us too: the broker may come back.
 _TRANSIENT = (KafkaTimeoutError, KafkaConnectionError, BrokerNotAvailableError)
-_RECORD_LEVEL = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError, InvalidMessageError,
-                 CorruptRecordException, InvalidTimestampError, InvalidTopicError, TopicAuthorizationFailedError,
-                 PolicyViolationError, UnsupportedForMessageFormatError)
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError)
 
 
@@ -53,15 +49,37 @@ class PublishFailed(RuntimeError):
     """A record could not be published and nothing else can end its question: the worker must stop."""
 
 
+class Next(enum.Enum):
+    RETRY = "retry"  # send the same record again, after a backoff
+    FALLBACK = "fallback"  # the record's fallback ends its question (an error answer, a dead letter, answers topic)
+    AVOID_TOPIC = "avoid_topic"  # the reply topic refused: fallback, and answer elsewhere for a while
+    FAIL = "fail"  # PublishFailed: the worker cannot go on
+
+
+def decide(error: BaseException, *, reply: bool, exhausted: bool, own_timestamp: bool = False) -> Next:
+    """What follows a failed publish. `reply`: the record is on a caller's reply topic; `exhausted`: its
+    retry window is spent; `own_timestamp`: it carries a timestamp of its own (a forwarded question)."""
+    if is_transient(error) and not exhausted:
+        return Next.RETRY
+    if is_own_fault(error, own_timestamp=own_timestamp):
+        return Next.FALLBACK  # this record alone: another one (an error answer, a dead letter) can still go
+    if reply:
+        if is_transient(error) and not isinstance(error, UnknownTopicOrPartitionError):
+            return Next.FALLBACK  # still away after the reply window: this answer only, the topic stays usable
+        return Next.AVOID_TOPIC
+    # The fleet's own topic: whatever refused this record would refuse every one after it.
+    return Next.FAIL
+
+
 def is_transient(error: BaseException) -> bool:
     return isinstance(error, _TRANSIENT) or (isinstance(error, KafkaError) and error.retriable)
 
 
-def is_record_level(error: BaseException) -> bool:
-    """A failure of this record alone: another record (an error answer, a dead letter) may still go."""
-    if isinstance(error, _RECORD_LEVEL):
+def is_own_fault(error: BaseException, *, own_timestamp: bool = False) -> bool:
+    """A failure of this record alone, not of its topic: too large, a value that cannot be encoded or
+    sent as given (aiokafka asserts on arguments), or a timestamp the record brought with it."""
+    if is_too_large(error) or (own_timestamp and isinstance(error, InvalidTimestampError)):
         return True
-    # Not Kafka's at all: the value could not be encoded or sent as given (aiokafka asserts on arguments).
     return not isinstance(error, KafkaError) and isinstance(error, (msgspec.EncodeError, TypeError, ValueError,
                                                                      AssertionError, UnicodeError))
 
@@ -77,15 +95,12 @@ def record_size(key: bytes | None, value: bytes | None, headers) -> int:
 
 def cut_answer(answer: AnswerEvent, size_of: Callable[[AnswerEvent], int], limit: int) -> AnswerEvent | None:
     """`answer` as is if its record (`size_of`) is within `limit`, else with its text and token ids cut
-    (and `truncated` set) so that it is; failing that with its request_id cut too. None: nothing fits."""
+    (and `truncated` set) so that it is. None: not even its ids fit (they are bounded by the schema, so
+    only a `max_request_size` of a few KB gets here)."""
     if size_of(answer) <= limit:
         return answer
-    bare = _cut(answer, 0.0)
-    if size_of(bare) > limit:
-        if answer.request_id is None or len(answer.request_id) <= CUT_REQUEST_ID_CHARS:
-            return None
-        bare = msgspec.structs.replace(bare, request_id=answer.request_id[:CUT_REQUEST_ID_CHARS])
-        return bare if size_of(bare) <= limit else None
+    if size_of(_cut(answer, 0.0)) > limit:
+        return None
     low, high = 0.0, 1.0  # the largest share of text and tokens that fits, to about 1 in 10^5
     for _ in range(17):
         middle = (low + high) / 2
@@ -100,23 +115,26 @@ def _cut(answer: AnswerEvent, keep: float) -> AnswerEvent:
 
 
 class Retries:
-    """Backoff from 0.2 s doubling to 5 s, until `budget_s` after the first failure."""
+    """One record's retry window, counted from its first send (not its first failure), so an answer
+    the broker never acks ends the worker `budget_s` after it was sent. Backoff from 0.2 s doubling
+    to 5 s. The window is shared by the records that replace a refused one (same question)."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, began: float | None = None) -> None:
         self.budget_s = budget_s
+        self.began = anyio.current_time() if began is None else began
         self.attempts = 0
-        self._began: float | None = None
 
     def elapsed(self) -> float:
-        return 0.0 if self._began is None else anyio.current_time() - self._began
+        return anyio.current_time() - self.began
 
-    def exhausted(self) -> bool:
-        if self._began is None:
-            self._began = anyio.current_time()
-        return self.elapsed() >= self.budget_s
+    def left(self, budget_s: float | None = None) -> float:
+        return max(0.0, (self.budget_s if budget_s is None else budget_s) - self.elapsed())
 
-    async def wait(self) -> None:
-        delay = min(5.0, 0.2 * 2 ** self.attempts, max(0.0, self.budget_s - self.elapsed()))
+    def exhausted(self, budget_s: float | None = None) -> bool:
+        return self.left(budget_s) <= 0.0
+
+    async def wait(self, budget_s: float | None = None) -> None:
+        delay = min(5.0, 0.2 * 2 ** self.attempts, self.left(budget_s))
         self.attempts += 1
         await anyio.sleep(delay)
 

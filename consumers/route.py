@@ -150,7 +150,8 @@ class RouteService:
         else:
             partition = self.partitioner.partition(question)
             self.counts["forwarded"] += 1
-        await publisher.forward(self.cfg.questions_topic, record.key, record.value, headers, partition, source)
+        await publisher.forward(self.cfg.questions_topic, record.key, record.value, headers, partition, source,
+                                timestamp_ms=record.timestamp)  # deadlines count from the original publish
 
     async def _refresh_partitioner(self, producer: AIOKafkaProducer) -> None:
         """Follow the questions topic's partition count (cached metadata; refreshed by aiokafka)."""

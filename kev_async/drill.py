@@ -105,7 +105,8 @@ async def run_drill(options: DrillOptions, out=print) -> DrillResult:
                     worker.process.wait()
         committed = await _committed(kafka)
     logs = {w.name: (w.fate, w.process.returncode, w.log()) for w in run.workers}
-    result = check_run(run.sent, run.answers, logs, committed, kafka.questions_topic, killed=run.killed)
+    result = check_run(run.sent, run.answers, logs, committed, kafka.questions_topic, killed=run.killed,
+                       broker_killed_at=run.broker_restart.killed_at if run.broker_restart else None)
     result.timeline = run.timeline
     result.broker_restart, held = restart_summary(run.broker_restart, run.answers, options.faults)
     result.ok = result.ok and held

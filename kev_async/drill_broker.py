@@ -11,6 +11,7 @@ import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from consumers import EmbeddedBroker
 from consumers.object_store import ObjectStoreError, weed_binary
@@ -24,6 +25,7 @@ class BrokerRestart:
     at_answered: int  # answers seen when the broker was killed
     before: frozenset[str]  # question ids whose publish was acked before the kill
     away_s: float  # from SIGKILL until the broker answered metadata again
+    killed_at: datetime  # UTC: answers created before it and acked after it may be written twice
 
 
 def drill_broker(options) -> EmbeddedBroker:
@@ -43,9 +45,9 @@ async def restart_broker(run, out) -> BrokerRestart | None:
         run.note(f"broker restart {SKIPPED_NO_STORE}", out)
         return None
     before, answered = frozenset(run.sent), len(run.answered())
-    began = time.monotonic()
+    began, killed_at = time.monotonic(), datetime.now(timezone.utc)
     await run.broker.arestart(kill=True)
-    restart = BrokerRestart(answered, before, time.monotonic() - began)
+    restart = BrokerRestart(answered, before, time.monotonic() - began, killed_at)
     run.note(f"SIGKILL the broker at {answered} answered ({len(before)} questions published); "
              f"back on {run.broker.bootstrap_servers} in {restart.away_s:.2f}s", out)
     return restart

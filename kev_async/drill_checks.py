@@ -2,10 +2,18 @@
 workers' JSON logs (kev_async/drill.py runs the drill).
 
 - exactly one final answer per question: every question answered; redelivery duplicates counted,
-  and each duplicate equal to the first (text, token ids, finish reason); no more duplicates than a
-  SIGKILL can explain: the answers the killed worker had published whose offsets the group had not
-  yet committed when it died (its other questions were never answered by it, and a graceful stop or
-  a rebalance duplicates nothing: answers whose partition moved are left to the new owner);
+  and each duplicate equal to the first (text, token ids, finish reason); no more duplicates than the
+  faults explain, each part counted from the logs and reported on its own (`duplicate_allowance`):
+  - worker_sigkill: the answers the SIGKILLed worker had published whose offsets the group had not
+    yet committed when it died (its other questions were never answered by it);
+  - revocations: at each rebalance, of the partitions that moved, the questions the old owner
+    answered past the group's commit at the revocation: acked after it (the ack took longer than the
+    publisher's wait for acks in flight) or acked before it while commits failed (broker away). A
+    graceful stop duplicates nothing, and answers finished after their partition moved are left to
+    the new owner;
+  - broker_restart: answers sent before the broker's SIGKILL (the record's CreateTime) and acked
+    after it: the broker may have written them without answering, and the producer (idempotence is
+    off: Tansu refuses it) sends them again;
 - commit after ack: every "committed" line a worker logged (the committer, after the broker
   accepted the commit) covers only offsets whose question some worker had logged "published"
   (after the broker acked the answer) no later; the group's final commit covers every question;
@@ -21,6 +29,11 @@ from datetime import datetime
 import msgspec
 
 
+# `killed_at` is read just before the broker's SIGKILL is sent (from another thread): answers created
+# this much later may still have been in flight when it landed.
+_KILL_SLACK_MS = 500
+
+
 class DrillResult(msgspec.Struct, kw_only=True):
     ok: bool = False
     questions: int = 0
@@ -28,9 +41,10 @@ class DrillResult(msgspec.Struct, kw_only=True):
     missing: list[str] = []
     answer_records: int = 0
     duplicates: int = 0  # answer records beyond the first per question
-    # The most duplicates the faults explain: per SIGKILLed worker, the questions it had answered whose
-    # offsets were not committed at the kill (answers on the topic by it, or its "published" lines).
+    # The most duplicates the faults explain: the sum of duplicate_allowance, whose parts (worker_sigkill,
+    # revocations, broker_restart) are questions counted once per part (see the module's docstring).
     duplicate_bound: int = 0
+    duplicate_allowance: dict[str, int] = {}
     duplicates_differing: list[str] = []
     error_answers: int = 0
     prompt_tokens: int = 0  # over first answers
@@ -64,13 +78,20 @@ def log_events(text: str, event: str) -> list[dict]:
 
 def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, tuple[str, int | None, str]],
               committed: dict[int, int | None], questions_topic: str,
-              killed: dict[str, tuple[str, datetime]] | None = None) -> DrillResult:
+              killed: dict[str, tuple[str, datetime]] | None = None,
+              broker_killed_at: datetime | None = None) -> DrillResult:
     """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text);
-    `killed`: SIGKILLed worker -> (its audit name, as answers carry it; when it was killed, UTC)."""
+    `killed`: SIGKILLed worker -> (its audit name, as answers carry it; when it was killed, UTC);
+    `broker_killed_at`: when the broker was SIGKILLed (UTC), if it was."""
     result = DrillResult(questions=len(sent), answer_records=len(answers))
     _check_answers(result, sent, answers)
     _check_commits(result, sent, logs, committed, questions_topic)
-    result.duplicate_bound = _duplicate_bound(sent, answers, logs, questions_topic, killed or {})
+    result.duplicate_allowance = {
+        "worker_sigkill": _killed_worker_allowance(sent, answers, logs, questions_topic, killed or {}),
+        "revocations": _revocation_allowance(sent, logs, questions_topic),
+        "broker_restart": _broker_restart_allowance(sent, answers, logs, broker_killed_at),
+    }
+    result.duplicate_bound = sum(result.duplicate_allowance.values())
     _check_pools(result, logs)
     result.workers = {name: f"{fate}, exit {code}" for name, (fate, code, _) in logs.items()}
     result.ok = (not result.missing and not result.duplicates_differing and not result.commits_before_ack
@@ -127,19 +148,73 @@ def _commits(logs: dict, topic: str) -> list[tuple[datetime, int, int, str]]:
     return commits
 
 
-def _duplicate_bound(sent: dict, answers: list, logs: dict, topic: str, killed: dict) -> int:
+def _commit_positions(commits: list, until: datetime) -> dict[int, int]:
+    """partition -> the group's commit position as of `until` (every worker's "committed" lines)."""
+    position: dict[int, int] = {}
+    for when, partition, committed_to, _worker in commits:
+        if when <= until:
+            position[partition] = max(position.get(partition, 0), committed_to)
+    return position
+
+
+def _killed_worker_allowance(sent: dict, answers: list, logs: dict, topic: str, killed: dict) -> int:
     commits = _commits(logs, topic)
     bound = 0
     for name, (audit_name, at) in killed.items():
-        position = {}  # partition -> the group's commit position when `name` was killed
-        for when, partition, committed_to, _worker in commits:
-            if when <= at:
-                position[partition] = max(position.get(partition, 0), committed_to)
+        position = _commit_positions(commits, at)
         # Its answers on the topic also count those acked too late for its "published" line.
         theirs = {line["question_id"] for line in _published(logs.get(name, ("", None, ""))[2])}
         theirs |= {answer.question_id for answer, _ in answers if answer.audit.worker == audit_name}
         bound += sum(1 for qid in theirs if qid in sent and sent[qid][1] >= position.get(sent[qid][0], 0))
     return bound
+
+
+def _revocation_allowance(sent: dict, logs: dict, topic: str) -> int:
+    """Questions of moved partitions that their old owner answered past the commit at the revocation."""
+    commits = _commits(logs, topic)
+    at_risk: set[str] = set()
+    for _name, (_fate, _code, text) in logs.items():
+        published = [(_time(line), line["question_id"]) for line in _published(text)]
+        for revoked_at, moved, until in _moves(text, topic):
+            position = _commit_positions(commits, revoked_at)
+            for at, qid in published:
+                where = sent.get(qid)
+                if at < until and where is not None and where[0] in moved and where[1] >= position.get(where[0], 0):
+                    at_risk.add(qid)
+    return len(at_risk)
+
+
+def _moves(text: str, topic: str) -> list[tuple[datetime, set[int], datetime]]:
+    """Per revocation in one worker's log: (when, the partitions it lost for good in that rebalance,
+    when its next revocation began: acks before then of those partitions' questions are its old ones)."""
+    def partitions(line: dict) -> set[int]:
+        return {int(p.rpartition(":")[2]) for p in line["partitions"] if p.rpartition(":")[0] == topic}
+
+    events = sorted([(_time(line), "revoked", partitions(line)) for line in log_events(text, "partitions_revoked")]
+                    + [(_time(line), "assigned", partitions(line)) for line in log_events(text, "partitions_assigned")],
+                    key=lambda event: event[0])
+    moves = []
+    for i, (at, kind, lost) in enumerate(events):
+        if kind != "revoked":
+            continue
+        kept = next((parts for _, k, parts in events[i + 1:] if k == "assigned"), set())
+        until = next((when for when, k, _ in events[i + 1:] if k == "revoked"), datetime.max.replace(tzinfo=at.tzinfo))
+        moves.append((at, lost - kept, until))
+    return moves
+
+
+def _broker_restart_allowance(sent: dict, answers: list, logs: dict, killed_at: datetime | None) -> int:
+    """Questions with an answer record created before the broker's SIGKILL but acked only after it."""
+    if killed_at is None:
+        return 0
+    acked: dict[str, datetime] = {}  # question_id -> earliest "published" line over every worker
+    for _name, (_fate, _code, text) in logs.items():
+        for line in _published(text):
+            at = _time(line)
+            acked[line["question_id"]] = min(at, acked.get(line["question_id"], at))
+    kill_ms = killed_at.timestamp() * 1000 + _KILL_SLACK_MS
+    sent_before = {answer.question_id for answer, record in answers if record.timestamp <= kill_ms}
+    return sum(1 for qid in sent_before if qid in sent and (qid not in acked or acked[qid] >= killed_at))
 
 
 def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str) -> None:

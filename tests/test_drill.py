@@ -29,11 +29,13 @@ async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
                            model=str(tiny_model_dir), workdir=tmp_path / "drill")
     result = await run_drill(options, out=print)
     print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates "
-          f"(bound {result.duplicate_bound}), "
+          f"(bound {result.duplicate_bound}: {result.duplicate_allowance}), "
           f"{result.commits_checked} commits checked, pools {result.kv_pools}")
     assert not result.missing, result.missing
     assert not result.duplicates_differing, result.duplicates_differing
-    assert result.duplicates <= result.duplicate_bound, (result.duplicates, result.duplicate_bound)
+    assert result.duplicates <= result.duplicate_bound, (result.duplicates, result.duplicate_allowance)
+    assert set(result.duplicate_allowance) == {"worker_sigkill", "revocations", "broker_restart"}
+    assert result.duplicate_bound == sum(result.duplicate_allowance.values())
     assert not result.commits_before_ack, result.commits_before_ack[:3]
     assert result.commits_checked > 0 and result.final_commit_covers_all
     assert not result.kv_leaks, result.kv_pools
@@ -106,3 +108,52 @@ def test_duplicates_are_bounded_by_what_the_killed_worker_answered_past_the_comm
     result = check_run(sent, [*answers, (answer("q0", "host-2"), _Record(3200))], logs, {0: 3}, "q-topic",
                        killed={"w0": ("host-1", killed_at)})
     assert (result.duplicates, result.duplicate_bound) == (3, 2) and not result.ok
+
+
+def test_the_bound_explains_late_acks_at_a_revocation_and_answers_in_flight_at_the_broker_kill():
+    from datetime import datetime, timezone
+
+    sent = {f"q{i}": (0, i) for i in range(4)} | {"p0": (1, 0)}
+
+    def answer(qid: str) -> AnswerEvent:
+        return AnswerEvent(question_id=qid, text=qid, audit=Audit(worker="host-1"))
+
+    def at(seconds: float) -> int:  # an answer record's CreateTime, ms
+        return int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp() * 1000 + seconds * 1000)
+
+    # Worker w0 holds partitions 0 and 1. At 02.0 a rebalance revokes both (committing partition 0 to 1)
+    # and gives back only 1. q1's ack comes at 02.5, after the revocation: the new owner of partition 0
+    # (w1) answers q1 again. q2 was never answered by w0: no duplicate to explain.
+    w0 = "\n".join([
+        _line("partitions_assigned", "00.000000", partitions=["q-topic:0", "q-topic:1"]),
+        _line("published", "01.000000", kind="answers", question_id="q0", source_partition=0),
+        _line("committed", "01.100000", positions={"q-topic:0": 1}),
+        _line("partitions_revoked", "02.000000", partitions=["q-topic:0", "q-topic:1"], committed={}),
+        _line("published", "02.500000", kind="answers", question_id="q1", source_partition=0),
+        _line("partitions_assigned", "03.000000", partitions=["q-topic:1"]),
+        _line("published", "04.000000", kind="answers", question_id="p0", source_partition=1),
+        _line("committed", "04.100000", positions={"q-topic:1": 1}),
+        _line("engine_actor.stopped", "09.000000", kv_blocks_free=8, kv_blocks_total=8),
+    ])
+    # w1 takes partition 0 at 03.0: q1 (again), q2; then the broker is SIGKILLed at 05.0 while q3's
+    # answer, created at 04.9, waits for its ack (05.8 once the broker is back): it is written twice.
+    w1 = "\n".join([
+        _line("partitions_assigned", "03.000000", partitions=["q-topic:0"]),
+        _line("published", "03.500000", kind="answers", question_id="q1", source_partition=0),
+        _line("published", "03.600000", kind="answers", question_id="q2", source_partition=0),
+        _line("committed", "03.700000", positions={"q-topic:0": 3}),
+        _line("published", "05.800000", kind="answers", question_id="q3", source_partition=0),
+        _line("committed", "05.900000", positions={"q-topic:0": 4}),
+        _line("engine_actor.stopped", "09.000000", kv_blocks_free=8, kv_blocks_total=8),
+    ])
+    answers = [(answer("q0"), _Record(at(1.0))), (answer("q1"), _Record(at(1.5))), (answer("q1"), _Record(at(3.4))),
+               (answer("q2"), _Record(at(3.5))), (answer("p0"), _Record(at(3.9))), (answer("q3"), _Record(at(4.9))),
+               (answer("q3"), _Record(at(4.9)))]
+    logs = {"w0": ("terminated", 0, w0), "w1": ("terminated", 0, w1)}
+    broker_killed_at = datetime(2026, 1, 1, 0, 0, 5, tzinfo=timezone.utc)
+    result = check_run(sent, answers, logs, {0: 4, 1: 1}, "q-topic", broker_killed_at=broker_killed_at)
+    assert result.duplicate_allowance == {"worker_sigkill": 0, "revocations": 1, "broker_restart": 1}
+    assert (result.duplicates, result.duplicate_bound) == (2, 2) and result.ok, result
+    # Without the broker's kill, q3's second record is one duplicate more than the faults explain.
+    result = check_run(sent, answers, logs, {0: 4, 1: 1}, "q-topic")
+    assert result.duplicate_allowance["broker_restart"] == 0 and not result.ok

@@ -10,6 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from consumers import Inbound, KafkaWorker, Outbound
+from consumers.messages import Position
 
 pytest.register_assert_rewrite("kafka_fixtures")
 from kafka_fixtures import (  # noqa: E402
@@ -306,3 +307,50 @@ async def test_answers_of_a_partition_that_moved_away_are_left_to_its_new_owner(
 
     assert sorted(r.key.decode() for r in answers) == sorted(f"m{i}" for i in range(6))  # each exactly once
     assert left == len(on_moved)
+
+
+async def test_an_answer_finished_during_a_rebalance_does_not_hold_up_the_publisher(kafka_broker):
+    # The rebalance is driven by hand through the worker's own listener (as aiokafka calls it) so it can
+    # stay open: the answers finished meanwhile wait in tasks of their own while the publisher goes on
+    # (an error answer goes out at once); once the new assignment is known, the answer of the partition
+    # this worker kept is published and the one of the partition that moved is left to its new owner.
+    from aiokafka import AIOKafkaProducer, TopicPartition
+
+    from consumers.committer import Committer, RevocationListener
+    from consumers.ledger import QuestionLedger
+    from consumers.offsets import OffsetTracker
+    from consumers.publisher import Publisher
+    from kafka_fixtures import answer_for
+    from schemas import QuestionEvent, error_answer
+
+    cfg = kafka_config(kafka_broker, partitions=2)
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = cfg.questions_topic
+    listener = RevocationListener(Committer(None, OffsetTracker(), interval_s=1.0, every=1))
+    settled = []
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=False)
+    await producer.start()
+
+    def inbound(qid: str, partition: int) -> Inbound:
+        return Inbound(QuestionEvent(question_id=qid, prompt="hi"), topic, partition, 0, 0.0)
+
+    kept, moved = inbound("kept", 1), inbound("moved", 0)
+    try:
+        with anyio.fail_after(30):
+            async with Publisher(producer, cfg, QuestionLedger(), settled.extend, ownership=listener) as publisher:
+                await listener.on_partitions_assigned([TopicPartition(topic, 0), TopicPartition(topic, 1)])
+                await listener.on_partitions_revoked([])  # a rebalance begins (nothing was in flight)
+                with anyio.fail_after(1):  # neither waits for the rebalance
+                    await publisher.publish(Outbound(answer_for(moved), moved))
+                    await publisher.publish(Outbound(answer_for(kept), kept))
+                    await publisher.error_answer(error_answer("bad", None, "invalid_field", "no"),
+                                                 Position(topic, 1, 1))
+                during = await read_topic(bootstrap, cfg.answers_topic, 1, linger=0.3)
+                await listener.on_partitions_assigned([TopicPartition(topic, 1)])
+                after = await read_topic(bootstrap, cfg.answers_topic, 2, linger=0.5)
+    finally:
+        await producer.stop()
+    assert [r.key for r in during] == [b"bad"]
+    assert [r.key for r in after] == [b"bad", b"kept"]
+    assert publisher.counts["abandoned"] == 1
+    assert sorted(settled) == [Position(topic, 1, 0), Position(topic, 1, 1)]  # never "moved"'s

@@ -5,8 +5,13 @@
 - a question whose ids alone would overflow a record still ends with one (cut) answer;
 - an answers topic the broker refuses is retried, then the worker stops with PublishFailed, the
   question's offset is not committed, and /health turns 503;
+- how each of aiokafka's own errors is sorted (retry, another record, avoid a reply topic, stop);
 - a broker that goes away and comes back within the retry budget: the answer is published once it
-  is back, and only then committed;
+  is back, and only then committed; on a caller's reply topic too (it is not given up after one
+  failure); a broker that does not come back ends the worker publish_retry_s after the answer's first
+  send, however long one request may take;
+- a reply topic the broker refuses: its answers take the answers topic for a while, then it is
+  tried again;
 - `kev serve`: an oversized answer and a 900 KB request_id do not stop the worker; a broker gone for
   longer than kafka.publish_retry_ms makes it exit 1 with one kev.kafka_failed line.
 """
@@ -19,12 +24,26 @@ import time
 import anyio
 import msgspec
 import pytest
+from aiokafka.errors import (
+    InvalidMessageError,
+    InvalidTimestampError,
+    InvalidTopicError,
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    NotLeaderForPartitionError,
+    PolicyViolationError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+    UnsupportedForMessageFormatError,
+)
 from structlog.testing import capture_logs
 
 from consumers import EmbeddedBroker, Inbound, KafkaWorker, Outbound, create_topics, topic_plan
-from consumers.delivery import PublishFailed, record_size
+from consumers.delivery import Next, PublishFailed, decide, record_size
 from kev_async.observe.metrics import Metrics
-from schemas import AnswerEvent, decode_answer
+from schemas import AnswerEvent, TrustConfig, decode_answer
+from schemas.signing import QUESTION, Signer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import (  # noqa: E402
@@ -35,6 +54,7 @@ from kafka_fixtures import (  # noqa: E402
     committed,
     kafka_config,
     produce,
+    produce_records,
     question,
     read_topic,
     running_worker,
@@ -167,7 +187,7 @@ async def test_a_refused_answers_topic_is_retried_then_the_worker_stops_and_comm
             await wait_until(lambda: bool(failures), timeout=30)
             took = time.monotonic() - began
             assert await health(port) == (503, b'{"status":"unhealthy"}')
-    assert "cannot publish answers to topic 'answers topic that cannot be' after retrying" in str(failures[0])
+    assert "cannot publish answers to topic 'answers topic that cannot be' (2." in str(failures[0])
     assert took >= 2.0, took  # the retry budget was spent first
     assert len([e for e in logs if e["event"] == "publish_retrying"]) >= 2
     assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
@@ -196,6 +216,181 @@ async def test_a_broker_away_for_a_while_gets_the_answer_once_back_and_only_then
     finally:
         answers_broker.stop()
     assert [decode_answer(r.value).question_id for r in records] == ["q0"]
+
+
+def test_each_of_aiokafkas_errors_is_sorted_into_retry_another_record_avoid_the_topic_or_stop():
+    # The embedded Tansu refuses no record for good (an illegal topic name is a retriable
+    # UnknownTopicOrPartition, it has no ACLs, no topic policies, no timestamp limits), so the
+    # non-retriable refusals are checked here on the sorting itself, with aiokafka's own error classes.
+    def on_fleet_topic(error, exhausted=False, **kw):
+        return decide(error, reply=False, exhausted=exhausted, **kw)
+
+    def on_reply_topic(error, exhausted=False):
+        return decide(error, reply=True, exhausted=exhausted)
+
+    # The answers or dead-letter topic itself refused: every record after would be too. Stop, do not
+    # turn each question into a dead letter behind a green /health.
+    for refusal in (TopicAuthorizationFailedError(), InvalidTopicError(), PolicyViolationError(),
+                    UnsupportedForMessageFormatError(), InvalidMessageError(), InvalidTimestampError()):
+        assert on_fleet_topic(refusal) is Next.FAIL, refusal
+    # ... except what is this record's own: too large, or a forwarded question's own timestamp.
+    assert on_fleet_topic(MessageSizeTooLargeError()) is Next.FALLBACK
+    assert on_fleet_topic(InvalidTimestampError(), own_timestamp=True) is Next.FALLBACK
+    assert on_fleet_topic(msgspec.EncodeError("bad")) is Next.FALLBACK
+    # Transient: retried within the window, then the worker stops.
+    for transient in (KafkaTimeoutError(), KafkaConnectionError(), NotLeaderForPartitionError(),
+                      UnknownTopicOrPartitionError()):
+        assert on_fleet_topic(transient) is Next.RETRY, transient
+        assert on_fleet_topic(transient, exhausted=True) is Next.FAIL, transient
+    # A caller's reply topic: a leader move is retried like anywhere else (not given up at once), ...
+    assert on_reply_topic(KafkaTimeoutError()) is Next.RETRY
+    assert on_reply_topic(NotLeaderForPartitionError()) is Next.RETRY
+    # ... still away after the (shorter) reply window: this answer takes the answers topic, the topic stays;
+    assert on_reply_topic(KafkaTimeoutError(), exhausted=True) is Next.FALLBACK
+    assert on_reply_topic(MessageSizeTooLargeError()) is Next.FALLBACK
+    # refused, or unknown after its retries: avoided for a while.
+    for refusal in (TopicAuthorizationFailedError(), InvalidTopicError(), PolicyViolationError()):
+        assert on_reply_topic(refusal) is Next.AVOID_TOPIC, refusal
+    assert on_reply_topic(UnknownTopicOrPartitionError(), exhausted=True) is Next.AVOID_TOPIC
+
+
+class HoldOneEngine(StandInEngine):
+    """Echoes at once, except the question "held": answered once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = anyio.Event()
+
+    async def __call__(self, inbox, outbox) -> None:
+        async with inbox, outbox, anyio.create_task_group() as tg:
+            async for inbound in inbox:
+                self.received.append(inbound)
+                if inbound.question.question_id == "held":
+                    tg.start_soon(self._later, inbound, outbox.clone())
+                else:
+                    await outbox.send(Outbound(answer_for(inbound), inbound))
+
+    async def _later(self, inbound, outbox) -> None:
+        async with outbox:
+            await self.release.wait()
+            await outbox.send(Outbound(answer_for(inbound), inbound))
+
+
+def signed(question_id: str, trust: TrustConfig, **fields) -> tuple[None, bytes, list]:
+    value = question(question_id, **fields)
+    return None, value, Signer.from_config(trust).headers(value, QUESTION)
+
+
+async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_answers(kafka_broker):
+    # The gateway's reply topic lives on a broker that goes away for 2.5 s (two request timeouts): its
+    # answer is retried there, not sent to the answers topic (which the gateway never reads), and the
+    # next answer for that gateway goes to its reply topic too.
+    answers_broker = EmbeddedBroker(port=free_port())
+    await answers_broker.astart()
+    trust = TrustConfig(keys={"t": "a-secret-for-the-tests"})
+    cfg = kafka_config(kafka_broker, partitions=1, trust=trust)
+    reply_topic = f"kev.replies.{cfg.answers_topic}"
+    bootstrap, elsewhere = kafka_broker.bootstrap_servers, answers_broker.bootstrap_servers
+    engine = HoldOneEngine()
+    producer = {"bootstrap_servers": elsewhere, "request_timeout_ms": 1000}
+    try:
+        with capture_logs() as logs:
+            async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=60.0,
+                                      reply_retry_s=20.0):
+                await produce_records(bootstrap, cfg.questions_topic, [signed("warm", trust, reply_topic=reply_topic),
+                                                                       signed("held", trust, reply_topic=reply_topic)])
+                await read_topic(elsewhere, reply_topic, 1, linger=0)  # the reply topic is known and written
+                await wait_until(lambda: len(engine.received) == 2)
+                await answers_broker.astop()
+                engine.release.set()
+                await anyio.sleep(2.5)
+                await answers_broker.astart()  # memory storage: empty, the topics come back on first use
+                on_reply = await read_topic(elsewhere, reply_topic, 1, timeout=30, linger=0)
+                await produce_records(bootstrap, cfg.questions_topic, [signed("after", trust, reply_topic=reply_topic)])
+                on_reply += await read_topic(elsewhere, reply_topic, 2, timeout=30, linger=0)
+                on_answers = await read_topic(elsewhere, cfg.answers_topic, 0, linger=0.5)
+                await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
+    finally:
+        answers_broker.stop()
+    assert [r.key for r in on_reply] == [b"held", b"held", b"after"]  # read twice: once alone, then with "after"
+    assert on_answers == []
+    assert [e for e in logs if e["event"] == "publish_retrying" and e["topic"] == reply_topic]
+    assert not [e for e in logs if e["event"] == "publish_refused"]
+
+
+async def test_a_reply_topic_the_broker_refuses_is_avoided_for_a_while_then_tried_again(kafka_broker):
+    # ".." passes the name check and (here) the reply-topic pattern, but the broker never creates it: its
+    # metadata stays unknown (UnknownTopicOrPartition) past the reply window. The answer takes the answers
+    # topic; the next one for that topic goes there at once; after avoid_s the topic is tried again.
+    trust = TrustConfig(keys={"t": "a-secret-for-the-tests"}, reply_topic_pattern=r"\.\.")
+    cfg = kafka_config(kafka_broker, partitions=1, trust=trust)
+    bootstrap = kafka_broker.bootstrap_servers
+    with capture_logs() as logs:
+        async with running_worker(cfg, producer_options={"request_timeout_ms": 500}, reply_retry_s=1.0,
+                                  reply_avoid_s=3.0):
+            await produce_records(bootstrap, cfg.questions_topic, [signed("first", trust, reply_topic="..")])
+            await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
+            avoided_at = time.monotonic()
+            await produce_records(bootstrap, cfg.questions_topic, [signed("while-avoided", trust, reply_topic="..")])
+            await read_topic(bootstrap, cfg.answers_topic, 2, linger=0)
+            await anyio.sleep(max(0.0, avoided_at + 3.2 - time.monotonic()))
+            await produce_records(bootstrap, cfg.questions_topic, [signed("after-expiry", trust, reply_topic="..")])
+            answers = await read_topic(bootstrap, cfg.answers_topic, 3, timeout=20, linger=0.3)
+            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
+    assert [r.key for r in answers] == [b"first", b"while-avoided", b"after-expiry"]
+    assert all(decode_answer(r.value).error is None for r in answers)
+    tried = [e["question_id"] for e in logs if e["event"] == "publish_retrying" and e["topic"] == ".."]
+    assert "first" in tried and "after-expiry" in tried and "while-avoided" not in tried, tried
+    refused = [e for e in logs if e["event"] == "publish_refused"]
+    assert [e["question_id"] for e in refused] == ["first", "after-expiry"] and refused[0]["topic_avoided_s"] == 3.0
+
+
+async def test_a_broker_that_stays_away_ends_the_worker_publish_retry_s_after_the_answers_first_send(
+        kafka_broker):
+    # One request may take 5 s (request_timeout_ms) but the window is 2 s from the answer's first send:
+    # the worker gives up (unhealthy, PublishFailed) at 2 s, not after a first failed request plus 2 s.
+    # Stopping then lets the producer flush what it holds (up to request_timeout_ms, at most the
+    # worker's shutdown_timeout), so run() returns a little later.
+    answers_broker = EmbeddedBroker(port=free_port())
+    await answers_broker.astart()
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap = kafka_broker.bootstrap_servers
+    engine = HoldOneEngine()
+    questions_out, questions_in = anyio.create_memory_object_stream[Inbound](16)
+    answers_out, answers_in = anyio.create_memory_object_stream[Outbound](16)
+    worker = KafkaWorker(cfg, questions_out, answers_in, consumer_options=FAST_GROUP, publish_retry_s=2.0,
+                         producer_options={"bootstrap_servers": answers_broker.bootstrap_servers,
+                                           "request_timeout_ms": 5000})
+    failures: list[tuple[float, BaseException]] = []
+
+    async def run_worker(*, task_status) -> None:
+        try:
+            await worker.run(task_status=task_status)
+        except PublishFailed as error:
+            failures.append((time.monotonic(), error))
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine, questions_in, answers_out)
+                await tg.start(run_worker)
+                await worker.wait_assigned()
+                await produce(bootstrap, cfg.questions_topic, [question("warm"), question("held")])
+                await read_topic(answers_broker.bootstrap_servers, cfg.answers_topic, 1, linger=0)
+                await wait_until(lambda: len(engine.received) == 2)
+                await answers_broker.astop()
+                assert worker.healthy()
+                engine.release.set()
+                sent = time.monotonic()
+                await wait_until(lambda: not worker.healthy(), timeout=30)
+                gave_up = time.monotonic() - sent
+                await wait_until(lambda: bool(failures), timeout=30)
+    finally:
+        answers_broker.stop()
+    assert "cannot publish answers" in str(failures[0][1]) and "no ack within 2s of the first send" in str(failures[0][1])
+    assert 2.0 <= gave_up < 3.5, gave_up  # before: 5 s for the first request to fail, then 2 s more
+    print(f"\ngave up {gave_up:.1f}s after the first send, run() returned after {failures[0][0] - sent:.1f}s")
+    assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: 1}  # "warm" only
 
 
 # -- `kev serve` ----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ to the DLQ, offsets are committed once the re-publishes are acked, and the comma
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter, defaultdict
 
 import anyio
@@ -96,6 +97,31 @@ async def test_a_second_router_resumes_from_the_commit_without_repeats(kafka_bro
     ids = Counter(decode_question(r.value).question_id for r in routed)
     assert len(ids) == 20 and set(ids.values()) == {1}
     assert Counter(r.partition for r in routed) == {0: 10, 1: 10}  # round_robin alternates
+
+
+@pytest.mark.kafka
+async def test_a_routed_question_keeps_its_publish_time(kafka_broker):
+    # A question's deadline counts from its record's timestamp: routing must not restart it.
+    from aiokafka import AIOKafkaProducer
+
+    kafka = route_config(kafka_broker, 2)
+    published_ms = int(time.time() * 1000) - 3_600_000  # an hour ago: a backlog
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(kafka.intake_topic, question("old"), partition=0, timestamp_ms=published_ms)
+        await producer.send_and_wait(kafka.intake_topic, question("now"), partition=0)
+    finally:
+        await producer.stop()
+    service = RouteService(kafka, "round_robin", consumer_options=FAST_GROUP)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.run)
+            routed = await read_topic(kafka.bootstrap_servers, kafka.questions_topic, 2, linger=0.3)
+            service.stop()
+    stamps = {decode_question(r.value).question_id: r.timestamp for r in routed}
+    assert stamps["old"] == published_ms
+    assert abs(stamps["now"] - time.time() * 1000) < 60_000  # its own publish time, not an hour ago
 
 
 @pytest.mark.kafka

@@ -43,7 +43,8 @@ def _drill(args: argparse.Namespace) -> int:
     result = anyio.run(run_drill, options, backend="asyncio")
     (options.workdir / "report.json").write_bytes(result_json(result))
     print(f"\n{result.answered}/{result.questions} answered, {result.answer_records} answer records "
-          f"({result.duplicates} duplicates, at most {result.duplicate_bound} explained by the SIGKILL; "
+          f"({result.duplicates} duplicates, at most {result.duplicate_bound} explained by the faults "
+          f"{result.duplicate_allowance}; "
           f"{len(result.duplicates_differing)} differing), "
           f"{result.error_answers} error answers; {result.answers_per_s} answers/s over {result.seconds:.1f}s")
     print(f"commits checked: {result.commits_checked}, before their answer's ack: {len(result.commits_before_ack)}; "
