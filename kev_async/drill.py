@@ -35,6 +35,8 @@ from kev_async.drill_checks import DrillResult, check_run, log_events
 from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 
 DRAIN_DEADLINE_S = 120  # a SIGTERMed worker's `--drain-deadline`; the drill waits a little longer for its exit
+SETTLE_TIMEOUT_S = 60.0  # how long a fault waits for the group to hold every partition again
+REJOIN_WAIT_S = 6.0  # a worker's session timeout (consumers/worker.py GROUP_TIMEOUTS)
 
 
 @dataclass
@@ -164,14 +166,62 @@ async def _faults(run: _Run, out) -> None:
     run.note(f"SIGKILL {victim.name} (pid {victim.process.pid}) at {len(run.answered())} answered", out)
     _spawn(run, out)
     await _until_answered(run, total * 2 // 5)
+    await _until_group_settled(run, out)
     run.broker_restart = await restart_broker(run, out)
+    restarted = time.monotonic()
     await _until_answered(run, total * 11 // 20)
+    # The members find the restarted broker and may rejoin within a session timeout: let that show first.
+    await anyio.sleep(max(0.0, REJOIN_WAIT_S - (time.monotonic() - restarted)))
+    await _until_group_settled(run, out)
     leaving = run.workers[1]
     leaving.process.send_signal(signal.SIGTERM)
     leaving.fate = "terminated"
     run.note(f"SIGTERM {leaving.name} (pid {leaving.process.pid}) at {len(run.answered())} answered", out)
     code = await _wait_exit(run, leaving, out)
     run.note(f"{leaving.name} drained and exited {code}", out)
+
+
+async def _until_group_settled(run: _Run, out) -> None:
+    """Until the running workers hold every partition between them, each some. One fault at a time: on
+    the embedded Tansu a rebalance in which one member leaves while another joins can leave the whole
+    group without assignments for good (consumers/worker.py), which no worker can mend."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while not _group_settled(run):
+        _assert_alive(run)
+        if time.monotonic() > deadline:
+            run.note(f"the group did not settle within {SETTLE_TIMEOUT_S:.0f}s; going on", out)
+            return
+        await anyio.sleep(0.2)
+
+
+def _group_settled(run: _Run) -> bool:
+    held: set[str] = set()
+    for worker in run.workers:
+        if worker.fate != "running":
+            continue
+        mine = _assignment(worker.log(), run.kafka.questions_topic)
+        if not mine:
+            return False
+        held |= mine
+    return len(held) == run.kafka.partitions
+
+
+def _assignment(log: str, topic: str) -> set[str]:
+    """The worker's questions partitions after its last assignment or revocation (eager rebalancing)."""
+    current: set[str] = set()
+    for line in log.splitlines():
+        if not line.startswith("{") or "partitions_" not in line:
+            continue
+        try:
+            entry = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            continue
+        parts = {p for p in entry.get("partitions") or () if p.startswith(topic + ":")}
+        if entry.get("event") == "partitions_assigned":
+            current = parts
+        elif entry.get("event") == "partitions_revoked":
+            current -= parts
+    return current
 
 
 async def _wait_exit(run: _Run, worker: _Worker, out) -> int:

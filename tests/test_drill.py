@@ -25,7 +25,7 @@ def anyio_backend():
 async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
     from kev_async.drill import DrillOptions, run_drill
 
-    options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=15.0,
+    options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=25.0,
                            model=str(tiny_model_dir), workdir=tmp_path / "drill")
     result = await run_drill(options, out=print)
     print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates "
