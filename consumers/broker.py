@@ -30,7 +30,7 @@ import msgspec
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from consumers.object_store import LocalObjectStore, default_data_dir
+from consumers.object_store import LocalObjectStore, default_data_dir, read_tail
 from consumers.topics import create_topics
 from schemas import BrokerConfig, KafkaConfig
 
@@ -165,11 +165,7 @@ class EmbeddedBroker:
 
     def log_tail(self, chars: int = 2000) -> str:
         """The end of the broker's own output, for error messages."""
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")[-chars:]
+        return read_tail(self._log, chars)
 
     # -- internals ----------------------------------------------------------------------------------
     def _attempts(self) -> int:

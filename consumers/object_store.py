@@ -150,11 +150,7 @@ class LocalObjectStore:
         return code
 
     def log_tail(self, chars: int = 2000) -> str:
-        if self._log is None:
-            return ""
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")[-chars:]
+        return read_tail(self._log, chars)
 
     # -- internals ----------------------------------------------------------------------------------
     def _take_lock(self) -> None:
@@ -247,3 +243,12 @@ def _find_prctl():
 
 
 _PRCTL = _find_prctl()
+
+
+def read_tail(log, chars: int) -> str:
+    """The last `chars` of a child process's output file (a binary temporary file), "" without one."""
+    if log is None:
+        return ""
+    log.flush()
+    log.seek(0)
+    return log.read().decode("utf-8", "replace")[-chars:]

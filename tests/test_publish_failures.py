@@ -80,16 +80,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def health(port: int) -> tuple[int, bytes]:
+async def http_get(port: int, path: str) -> bytes:
+    """The whole raw HTTP/1.0 response (the metrics endpoint closes the connection after it)."""
     async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(b"GET /health HTTP/1.0\r\n\r\n")
+        await stream.send(f"GET {path} HTTP/1.0\r\n\r\n".encode())
         raw = b""
         try:
             while True:
                 raw += await stream.receive()
         except anyio.EndOfStream:
             pass
-    head, _, body = raw.partition(b"\r\n\r\n")
+    return raw
+
+
+async def health(port: int) -> tuple[int, bytes]:
+    head, _, body = (await http_get(port, "/health")).partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
 
@@ -475,15 +480,7 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
 
 
 async def _scrape(port: int) -> str:
-    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(b"GET /metrics HTTP/1.0\r\n\r\n")
-        raw = b""
-        try:
-            while True:
-                raw += await stream.receive()
-        except anyio.EndOfStream:
-            pass
-    return raw.decode()
+    return (await http_get(port, "/metrics")).decode()
 
 
 def _in_flight(metrics_text: str) -> bool:
