@@ -216,11 +216,11 @@ def _assignment(log: str, topic: str) -> set[str]:
             entry = msgspec.json.decode(line)
         except msgspec.DecodeError:
             continue
-        parts = {p for p in entry.get("partitions") or () if p.startswith(topic + ":")}
-        if entry.get("event") == "partitions_assigned":
-            current = parts
-        elif entry.get("event") == "partitions_revoked":
-            current -= parts
+        event, listed = entry.get("event"), entry.get("partitions")
+        if event not in ("partitions_assigned", "partitions_revoked") or not isinstance(listed, list):
+            continue  # partitions_paused and _resumed log a count
+        parts = {p for p in listed if isinstance(p, str) and p.startswith(topic + ":")}
+        current = parts if event == "partitions_assigned" else current - parts
     return current
 
 

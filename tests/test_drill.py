@@ -157,3 +157,17 @@ def test_the_bound_explains_late_acks_at_a_revocation_and_answers_in_flight_at_t
     # Without the broker's kill, q3's second record is one duplicate more than the faults explain.
     result = check_run(sent, answers, logs, {0: 4, 1: 1}, "q-topic")
     assert result.duplicate_allowance["broker_restart"] == 0 and not result.ok
+
+
+def test_a_workers_assignment_is_read_from_its_log_through_pauses_and_rebalances():
+    from kev_async.drill import _assignment
+
+    log = "\n".join([
+        "kev: worker starting (not JSON)",
+        _line("partitions_assigned", "01", partitions=["q:0", "q:1", "ctl:0"]),
+        _line("partitions_paused", "02", partitions=2),  # a count, not a list
+        _line("partitions_revoked", "03", partitions=["q:0", "q:1"]),
+    ])
+    assert _assignment(log, "q") == set()  # mid-rebalance: holds nothing
+    log += "\n" + _line("partitions_assigned", "04", partitions=["q:1"])
+    assert _assignment(log, "q") == {"q:1"}
