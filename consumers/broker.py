@@ -184,7 +184,9 @@ class EmbeddedBroker:
             [self.binary or _tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", storage],
             env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            # Its own session: a terminal's Ctrl-C reaches Kev, which stops the broker last, after its
+            # clients (else they log a burst of connection errors); it still dies with Kev (PDEATHSIG).
+            preexec_fn=_die_with_parent if _PRCTL is not None else None, start_new_session=True,
         )
 
     async def _wait_ready(self) -> bool:

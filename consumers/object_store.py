@@ -182,7 +182,8 @@ class LocalObjectStore:
              "-filer", f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}",
              "-s3", f"-s3.port={ports[6]}", f"-s3.port.grpc={ports[7]}", "-s3.port.iceberg=0", "-s3.port.lance=0"],
             stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if _PRCTL is not None else None)
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            start_new_session=True)  # as the broker: out of the terminal's Ctrl-C, stopped after it
 
     def _wait_ready(self) -> bool:
         """Until the bucket exists and a write lands (the master must have a leader and a volume);
