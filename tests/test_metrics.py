@@ -319,3 +319,33 @@ async def test_serve_exports_engine_and_kafka_metrics(kafka_broker, model, monke
     frame = capsys.readouterr().out
     assert top_rc == 0 and "assigned 2   paused 0   lag 0" in frame, frame
     assert "unknown_adapter 1" in frame, frame
+
+
+def test_kev_top_on_an_endpoint_without_worker_metrics_says_so_and_fails(capsys):
+    """A gateway's /metrics has Kev metrics but no worker's: `kev top` names the mistake, exit 1."""
+    import http.server
+    import threading
+
+    from kev_async.cli import main as kev_main
+
+    class GatewayLike(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b"# TYPE kev_gateway_requests_total counter\nkev_gateway_requests_total 3.0\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), GatewayLike)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert kev_main(["top", "--once", "--url", url, "--interval", "0.05"]) == 1
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert "serves Kev metrics, but not a worker's" in err and "kev demo" in err

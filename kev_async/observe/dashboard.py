@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-DEFAULT_URL = "http://127.0.0.1:9464/metrics"
+DEFAULT_PORT = 9464
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}/metrics"
+WORKER_METRICS = {"kev_kv_blocks_used", "kev_forwards_total"}  # only a worker exports these
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -75,6 +77,9 @@ def scrape(url: str, timeout: float = 5.0) -> Sample:
         raise Unreachable(f"{url} did not return Prometheus metrics: {error}") from None
     if not any(name.startswith("kev_") for name, _ in values):
         raise Unreachable(f"{url} serves metrics, but none of Kev's")
+    if not any(name in WORKER_METRICS for name, _ in values):  # e.g. a gateway's /metrics
+        raise Unreachable(f"{url} serves Kev metrics, but not a worker's: point --url at a `kev serve` "
+                          f"worker's metrics port (metrics.port, {DEFAULT_PORT} by default; `kev demo` serves none)")
     return Sample(time.monotonic(), values)
 
 
