@@ -16,14 +16,13 @@ for compose, systemd or Kubernetes to restart it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
 from consumers.delivery import PublishFailed
 from kev_async.runtime.lifecycle import Shutdown
+from kev_async.runtime.supervisor import ReadyOnce
 
 log = structlog.get_logger("kev.app")
 
@@ -42,7 +41,7 @@ class KafkaLoopWatch:
 
     async def run(self, worker, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Run `worker` (a KafkaWorker); a failure, or an end nobody asked for, fails the service."""
-        ready = _Ready(task_status)
+        ready = ReadyOnce(task_status)
         try:
             await worker.run(task_status=ready)
         except Exception as error:  # noqa: BLE001 - any end of the loop ends the process, see the module
@@ -65,16 +64,3 @@ class KafkaLoopWatch:
         self.shutdown.request("kafka_failed")
         if self.scope is not None:
             self.scope.cancel()
-
-
-class _Ready:
-    """Passes `started()` on once; later calls do nothing."""
-
-    def __init__(self, task_status: TaskStatus) -> None:
-        self._task_status = task_status
-        self._done = False
-
-    def started(self, value: Any = None) -> None:
-        if not self._done:
-            self._done = True
-            self._task_status.started(value)

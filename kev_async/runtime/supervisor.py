@@ -82,7 +82,7 @@ class _RestartWindow:
         return delay
 
 
-class _ReadyOnce:
+class ReadyOnce:
     """Hands the first `started()` on to the supervisor; restarts need not announce themselves again."""
 
     def __init__(self, task_status: TaskStatus) -> None:
@@ -136,7 +136,7 @@ class Supervisor:
 
     async def _supervise(self, child: Child, *, task_status: TaskStatus) -> None:
         running = self._running[child.name] = _Running()
-        ready, window = _ReadyOnce(task_status), _RestartWindow(child.policy)
+        ready, window = ReadyOnce(task_status), _RestartWindow(child.policy)
         try:
             with running.scope:
                 while True:
@@ -147,7 +147,7 @@ class Supervisor:
         finally:
             running.ended.set()
 
-    async def _run_once(self, child: Child, ready: _ReadyOnce) -> Exception | None:
+    async def _run_once(self, child: Child, ready: ReadyOnce) -> Exception | None:
         try:
             await child.run(*child.args, task_status=ready)
         except Exception as crash:  # noqa: BLE001 - logged here, then restarted or escalated
