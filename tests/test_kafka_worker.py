@@ -351,6 +351,6 @@ async def test_an_answer_finished_during_a_rebalance_does_not_hold_up_the_publis
     finally:
         await producer.stop()
     assert [r.key for r in during] == [b"bad"]
-    assert [r.key for r in after] == [b"bad", b"kept"]
+    assert sorted(r.key for r in after) == [b"bad", b"kept"]  # answers land on several partitions: no order
     assert publisher.counts["abandoned"] == 1
     assert sorted(settled) == [Position(topic, 1, 0), Position(topic, 1, 1)]  # never "moved"'s
