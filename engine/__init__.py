@@ -2,8 +2,8 @@
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, TokenDelta
 from engine.engine import Engine, Handle
-from engine.adapters import AdapterError, LoraAdapter
-from engine.model import Model, load_model
+from engine.adapters.files import AdapterError, LoraAdapter
+from engine.model.model import Model, load_model
 from engine.options import EngineOptions
 from engine.pipeline import Answer, IsolatedBatchPipeline
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.attention import Segment
+from engine.kernels.attention import Segment
 
 CHAIN_HEX = 16  # hex digits of a block hash kept in a record: 64 bits, plenty to tell prefixes apart
 

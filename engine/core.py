@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.audit import forward_summary, violations
-from engine.block_pool import BlockPool
-from engine.deadlines import deadline, expired_message
+from engine.kv.block_pool import BlockPool
+from engine.schedule.deadlines import deadline, expired_message
 from engine.defaults import DefaultsRegistry
-from engine.detokenizer import TextStream
-from engine.flash import FlashAttention, flash_available
-from engine.kv_cache import KVCache, cache_dtype, plan_num_blocks
-from engine.adapter_pool import AdapterPoolFull, LoraPool, UnknownAdapter
-from engine.adapters import AdapterError, LoraAdapter
+from engine.output.detokenizer import TextStream
+from engine.kernels.flash import FlashAttention, flash_available
+from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
+from engine.adapters.pool import AdapterPoolFull, LoraPool, UnknownAdapter
+from engine.adapters.files import AdapterError, LoraAdapter
 from engine.intake import QuestionRejected, prepare_prompt
 from engine.options import EngineOptions
-from engine.prefix_cache import prefix_salt
-from engine.routing import Router
-from engine.runner import ModelRunner
-from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
-from engine.sequence import Sequence, Status
+from engine.kv.prefix_cache import prefix_salt
+from engine.schedule.routing import Router
+from engine.model.runner import ModelRunner
+from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
+from engine.schedule.sequence import Sequence, Status
 from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
 
 log = structlog.get_logger("kev.engine")
@@ -88,7 +88,7 @@ class EngineCore:
         """Queue a question; raises QuestionRejected with a code the caller turns into an error answer.
 
         `arrival` (time.monotonic()) is when it reached this worker: its timings count from there.
-        `published` (the same clock; engine.deadlines.published_at) is when it was published: its
+        `published` (the same clock; engine.schedule.deadlines.published_at) is when it was published: its
         deadline counts from there. A question already past its deadline is not computed: it ends
         "timeout" at the next step, with no prefill. Without `prompt_ids` the prompt is encoded here.
         """

@@ -7,7 +7,7 @@ import secrets
 import threading
 from dataclasses import dataclass, replace
 
-from engine.sequence import SamplingParams
+from engine.schedule.sequence import SamplingParams
 
 
 @dataclass(frozen=True)

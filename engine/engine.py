@@ -19,8 +19,8 @@ import anyio.to_thread
 import structlog
 
 from engine.core import EngineCore, QuestionRejected, StepEvents, rejected_answer
-from engine.adapters import LoraAdapter
-from engine.deadlines import deadline, published_at
+from engine.adapters.files import LoraAdapter
+from engine.schedule.deadlines import deadline, published_at
 from engine.defaults import Defaults
 from engine.options import EngineOptions
 from engine.prompt import as_question
@@ -105,7 +105,7 @@ class Engine:
                      cancelled: bool = False, **params) -> Handle:
         """Queue a question. `arrival` (time.monotonic()) is when it really arrived, for its timings;
         `published_ms` (ms since the epoch, a Kafka record's timestamp) is when it was published, for
-        its deadline (see engine/deadlines.py); `cancelled`: a cancel came before it, so it ends
+        its deadline (see engine/schedule/deadlines.py); `cancelled`: a cancel came before it, so it ends
         "cancelled" without computing. Its prompt is rendered and tokenized here, on a worker thread,
         so a huge prompt never holds up a step; a prompt over the limits is answered here."""
         question = as_question(question, next(self._numbers), **params)

@@ -26,10 +26,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 # The GGUF is converted once into the cache (~20 s); afterwards this returns at once.
 "$VENV/bin/kev" model prepare smollm2-135m-instruct >/dev/null
-# The CPU decode kernel (engine/paged_decode.py) is compiled once per machine (~1 min): here, rather
+# The CPU decode kernel (engine/kernels/paged_decode.py) is compiled once per machine (~1 min): here, rather
 # than at the first question. Without a C++ compiler this says so and Kev uses its SDPA path.
-kernel=$( (cat engine/paged_decode.py; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | sha256sum | cut -c1-16)
+kernel=$( (cat engine/kernels/paged_decode.py engine/kernels/paged_decode.cpp; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.kev-kernel" 2>/dev/null)" != "$kernel" ]; then
-  "$VENV/bin/python" -c "from engine.paged_decode import kernel; kernel()"
+  "$VENV/bin/python" -c "from engine.kernels.paged_decode import kernel; kernel()"
   echo "$kernel" > "$VENV/.kev-kernel"
 fi

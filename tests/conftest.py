@@ -59,8 +59,8 @@ def build_hf_tiny(kind: str, seed: int = 0, **overrides):
 
 def kev_model_from_hf(hf_model, tokenizer, dtype: torch.dtype = torch.float32, name: str = "tiny"):
     """Kev's Model over exactly the weights of `hf_model`."""
-    from engine.model import Model, rope_tables, spec_from_config
-    from engine.transformer import Transformer
+    from engine.model.model import Model, rope_tables, spec_from_config
+    from engine.model.transformer import Transformer
 
     config = hf_model.config
     spec = spec_from_config(config)
@@ -73,14 +73,14 @@ def kev_model_from_hf(hf_model, tokenizer, dtype: torch.dtype = torch.float32, n
 class Tiny:
     kind: str
     hf: object  # transformers model, fp32
-    kev: object  # engine.model.Model, fp32, same weights
+    kev: object  # engine.model.model.Model, fp32, same weights
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model_dir
+    from engine.model.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(SMOLLM2))
 
@@ -151,7 +151,7 @@ def run_core(model, questions: list[Q], options=None, *, later: dict[int, list] 
     every forward's plan and position ids.
     """
     from engine import EngineCore
-    from engine.transformer import Transformer
+    from engine.model.transformer import Transformer
     from schemas import Params, QuestionEvent
 
     core = core or EngineCore(model, options or tiny_options())

@@ -31,7 +31,7 @@ def build_tiny_model_dir(path: Path) -> Path:
     import torch
     import transformers
 
-    from engine.loader import resolve_model_dir
+    from engine.model.loader import resolve_model_dir
 
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

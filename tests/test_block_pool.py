@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 
 
 def take(pool: BlockPool, owner: str, num_tokens: int) -> list[int]:

@@ -151,7 +151,7 @@ def test_decode_control_says_what_is_wrong(raw, reason, message):
 async def test_engine_actor_loads_and_unloads_adapters_and_survives_bad_ones(tiny_model, tmp_path, logs):
     from engine import Engine, EngineOptions
     from engine.defaults import Defaults
-    from engine.adapters import AdapterError
+    from engine.adapters.files import AdapterError
     from kev_async.bench.lora import write_random_adapter
     from kev_async.engine_actor import EngineClient, LoadAdapter, UnloadAdapter, engine_actor
     from kev_async.runtime.actors import Mailbox, ask

@@ -38,7 +38,7 @@ def engine_options():
 
 async def test_engine_actor_applies_each_command_id_once(tiny_model, tmp_path, logs):
     from engine import Engine
-    from engine.adapters import AdapterError
+    from engine.adapters.files import AdapterError
     from kev_async.bench.lora import write_random_adapter
     from kev_async.engine_actor import LoadAdapter, UpdateDefaults, engine_actor
     from kev_async.runtime.actors import Mailbox, ask

@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from engine import Engine, EngineCore
-from engine.deadlines import published_at
+from engine.schedule.deadlines import published_at
 from schemas import Params, QuestionEvent, decode_answer
 
 pytest.register_assert_rewrite("kafka_fixtures")

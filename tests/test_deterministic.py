@@ -27,7 +27,7 @@ def batch_with_victim(harness, count: int, seed: int) -> list:
 
 def decline_one_call(monkeypatch) -> None:
     """As if packed fp32 weights had failed the one-call check on this CPU."""
-    from engine import tiles
+    from engine.deterministic import tiles
 
     monkeypatch.setattr(tiles, "_one_call_invariant", lambda weight, row_counts: False)
     monkeypatch.setattr(tiles, "_ONE_CALL", {})
@@ -149,7 +149,7 @@ def test_bitwise_at_each_thread_count(tiny_models, harness, threads):
 
 def test_one_call_per_tile_fallback_is_bitwise_too(tiny_models, harness, monkeypatch):
     """Where the start-up check finds batched tiles not invariant, each tile gets its own call."""
-    from engine import tiles
+    from engine.deterministic import tiles
 
     model = tiny_models["llama"].kev
     monkeypatch.setattr(tiles, "_key", lambda right: ("every shape",))
@@ -194,8 +194,8 @@ def test_seeded_sampling_is_bitwise_and_same_text(tiny_models, harness):
 def test_a_row_of_a_packed_fp32_matmul_has_one_value_at_every_row_count(monkeypatch):
     """fp32 weights with a packed copy take a few oneDNN calls of checked row counts where the start-up
     check allows it (else batched tiles): either way a row's bits must not move with how many rows share it."""
-    from engine import tiles
-    from engine.packed_weight import PackedWeight, can_pack
+    from engine.deterministic import tiles
+    from engine.kernels.packed_weight import PackedWeight, can_pack
 
     if not can_pack(torch.float32, torch.device("cpu")):
         pytest.skip("no oneDNN packed kernels in this torch build")
@@ -216,7 +216,7 @@ def test_a_row_of_a_packed_fp32_matmul_has_one_value_at_every_row_count(monkeypa
 
 def test_batched_tiles_where_one_call_is_declined_are_bitwise_too(tiny_models, harness, monkeypatch):
     """Where a packed fp32 weight's one call fails the check, deterministic mode uses batched tiles."""
-    from engine import tiles
+    from engine.deterministic import tiles
 
     decline_one_call(monkeypatch)
     model = tiny_models["llama"].kev

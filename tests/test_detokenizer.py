@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import MAX_PENDING_TOKENS, TextStream
+from engine.output.detokenizer import MAX_PENDING_TOKENS, TextStream
 
 
 class CountingTokenizer:

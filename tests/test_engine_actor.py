@@ -12,10 +12,10 @@ import transformers
 from structlog.testing import capture_logs
 
 from engine import Engine, EngineOptions
-from engine.loader import resolve_model_dir
-from engine.model import Model, rope_tables, spec_from_config
+from engine.model.loader import resolve_model_dir
+from engine.model.model import Model, rope_tables, spec_from_config
 from engine.prompt import encode_prompt
-from engine.transformer import Transformer
+from engine.model.transformer import Transformer
 from kev_async.engine_actor import Cancel, DeviceBusy, Submit, engine_actor, open_engine_client
 from kev_async.runtime.actors import Mailbox
 from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor

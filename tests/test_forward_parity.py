@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.model import SUPPORTED_ARCHITECTURES, UnsupportedModel, spec_from_config
+from engine.model.model import SUPPORTED_ARCHITECTURES, UnsupportedModel, spec_from_config
 
 DECODE_STEPS = 20
 TOLERANCE = 1e-4  # fp32, max abs logit difference

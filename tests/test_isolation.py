@@ -170,7 +170,7 @@ def test_dense_mask_is_never_built():
         from conftest import Q, build_hf_tiny, kev_model_from_hf, run_core, tiny_options
         from transformers import AutoTokenizer
         from engine import EngineCore
-        from engine.loader import resolve_model_dir
+        from engine.model.loader import resolve_model_dir
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
         hf = build_hf_tiny("llama", max_position_embeddings=1024)
@@ -251,7 +251,7 @@ def test_adversarial_neighbours_change_nothing(real_pipeline, real_solo, kinds):
 def test_decodes_split_by_context_length_keep_every_solo_answer(tiny, harness, victim_len, monkeypatch):
     """Contexts from 10 to 450 tokens decode in separate length groups (the victim's group changes with
     its length); no answer may change. The SDPA path, which on CPU only runs without the decode kernel."""
-    from engine.attention import Segment, _DecodeGroups
+    from engine.kernels.attention import Segment, _DecodeGroups
 
     monkeypatch.setenv("KEV_PAGED_DECODE", "0")
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineCore, IsolatedBatchPipeline, QuestionRejected
-from engine.adapters import AdapterError
-from engine.transformer import Transformer
+from engine.adapters.files import AdapterError
+from engine.model.transformer import Transformer
 from schemas import Params, QuestionEvent
 
 QV = ["q_proj", "v_proj"]
@@ -408,7 +408,7 @@ def test_an_adapter_file_that_is_not_a_plain_file_is_refused_without_hanging(lla
     import os
     import shutil
 
-    from engine.adapters import load_adapter
+    from engine.adapters.files import load_adapter
 
     directory = shutil.copytree(adapters["qv"], tmp_path / "a")
     config = directory / "adapter_config.json"
@@ -433,7 +433,7 @@ def test_an_adapter_file_that_is_not_a_plain_file_is_refused_without_hanging(lla
 def test_a_symlinked_weights_file_is_refused(llama, adapters, tmp_path):
     import shutil
 
-    from engine.adapters import load_adapter
+    from engine.adapters.files import load_adapter
 
     directory = shutil.copytree(adapters["qv"], tmp_path / "a")
     weights = directory / "adapter_model.safetensors"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.packed_weight import PackedWeight, can_pack
+from engine.kernels.packed_weight import PackedWeight, can_pack
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")),
                                 reason="this torch has no oneDNN linear-weight reorder")
@@ -31,7 +31,7 @@ def test_packed_linear_is_bitwise_f_linear_at_every_row_count(rows):
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 32, 96, 97, 300])
 def test_fp32_packed_linear_agrees_with_f_linear_and_takes_the_plain_matrix_outside_its_rows(rows):
-    from engine.packed_weight import PACKED_FP32_ROWS
+    from engine.kernels.packed_weight import PACKED_FP32_ROWS
 
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(960, 576, generator=generator) * 0.05
@@ -63,8 +63,8 @@ def test_models_on_cpu_multiply_by_packed_weights_and_count_a_tied_table_once(ti
 
 
 def test_pack_fp32_off_keeps_one_plain_copy_and_the_same_products(tiny_models):
-    from engine.model import rope_tables, spec_from_config
-    from engine.transformer import Transformer
+    from engine.model.model import rope_tables, spec_from_config
+    from engine.model.transformer import Transformer
 
     tiny = tiny_models["llama"]
     spec = spec_from_config(tiny.hf.config)

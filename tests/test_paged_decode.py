@@ -1,4 +1,4 @@
-"""The CPU decode kernel (engine/paged_decode.py) reads each question's keys where they lie in the pool.
+"""The CPU decode kernel (engine/kernels/paged_decode.py) reads each question's keys where they lie in the pool.
 
 It must give SDPA's answer, the same bits alone or packed, and never read a slot the question has not
 written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here. Caches: fp32, bf16,
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import paged_decode
-from engine.attention import Segment, TorchAttention, _DecodeGroups
-from engine.kv_cache import KVCache
+from engine.kernels import paged_decode
+from engine.kernels.attention import Segment, TorchAttention, _DecodeGroups
+from engine.kv.cache import KVCache
 
 pytestmark = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler for the CPU decode kernel")
 

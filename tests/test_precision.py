@@ -22,8 +22,8 @@ import torch
 from structlog.testing import capture_logs
 
 from engine import EngineCore, EngineOptions
-from engine.kv_cache import KVCache, plan_num_blocks
-from engine.quant import Int8Weight
+from engine.kv.cache import KVCache, plan_num_blocks
+from engine.kernels.quant import Int8Weight
 
 PRECISIONS = {  # name -> (model dtype, int8 weights, kv dtype)
     "bf16": (torch.bfloat16, False, "auto"),
@@ -127,7 +127,7 @@ def test_int8_kv_subtracts_the_models_key_means(models, harness):
 def test_key_means_are_the_mean_stored_key_of_the_calibration_prompt(models, harness):
     """What key_means returns is what an fp32 cache holds for the calibration prompt, averaged: each
     layer's keys after rotary, over the chat-templated prompt's tokens."""
-    from engine.key_means import CALIBRATION_TEXT
+    from engine.model.key_means import CALIBRATION_TEXT
     from engine.prompt import as_question, encode_prompt
     from schemas import Params, QuestionEvent
 
@@ -186,7 +186,7 @@ def test_config_switches_reach_the_engine(tmp_path):
 
 
 def test_bf16_without_cpu_flags_falls_back_to_fp32_with_a_log_line(monkeypatch):
-    from engine import cpu_features
+    from engine.kernels import cpu_features
 
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     with capture_logs() as logs:
@@ -211,7 +211,7 @@ def test_bench_precision_prints_every_variant(tmp_path, capsys):
 
 
 def test_deterministic_refuses_int8_weights_where_the_kernel_is_not_row_invariant(models, harness, monkeypatch):
-    from engine import tiles
+    from engine.deterministic import tiles
 
     monkeypatch.setattr(tiles, "_per_call_invariant", lambda weight: False)
     monkeypatch.setattr(tiles.TileCheck, "_done", set())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.routing import STRATEGIES, Router, jump_hash
+from engine.schedule.routing import STRATEGIES, Router, jump_hash
 from schemas import QuestionEvent
 
 

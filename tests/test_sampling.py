@@ -119,7 +119,7 @@ def test_kev_temperature_sets_the_default(tiny_models, harness, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does(dtype):
-    from engine.sampler import greedy
+    from engine.model.sampler import greedy
 
     logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
     top = logits.max() + 1  # above every random logit

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
-from engine.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits, StepPlan
-from engine.sequence import SamplingParams, Sequence, Status
+from engine.kv.block_pool import BlockPool
+from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits, StepPlan
+from engine.schedule.sequence import SamplingParams, Sequence, Status
 
 TOKEN, EOS = 7, 2
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.detokenizer import TextStream
+from engine.output.detokenizer import TextStream
 
 
 

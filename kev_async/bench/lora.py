@@ -41,7 +41,7 @@ def write_random_adapter(directory: Path, model, rank: int, seed: int, b_std: fl
     import torch
     from safetensors.torch import save_file
 
-    from engine.adapters import TARGETS, target_shapes
+    from engine.adapters.files import TARGETS, target_shapes
 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

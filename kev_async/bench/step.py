@@ -96,7 +96,7 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
 
     from engine import EngineOptions
     from engine.core import EngineCore
-    from engine.kv_cache import cache_dtype
+    from engine.kv.cache import cache_dtype
     from schemas import Params, QuestionEvent
 
     options = EngineOptions(max_batch_size=batch, batch_window_ms=0, kv_dtype=kv_dtype)

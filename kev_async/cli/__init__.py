@@ -60,5 +60,5 @@ def _user_mistake(error: Exception) -> bool:
     """Errors that a command's arguments or config caused: one line, not a traceback."""
     if isinstance(error, (TrustKeyError, msgspec.ValidationError)):
         return True
-    loader = sys.modules.get("engine.loader")  # not imported for `kev --help`: torch is heavy
+    loader = sys.modules.get("engine.model.loader")  # not imported for `kev --help`: torch is heavy
     return loader is not None and isinstance(error, loader.ModelNotFound)

@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from engine.loader import ModelNotFound, resolve_model_dir
+    from engine.model.loader import ModelNotFound, resolve_model_dir
 
     try:
         print(resolve_model_dir(args.model))

@@ -10,11 +10,11 @@ pytest.importorskip("flash_attn", reason="needs flash-attn: pip install 'kev[gpu
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine import EngineCore, EngineOptions  # noqa: E402
-from engine.attention import Segment, TorchAttention  # noqa: E402
-from engine.flash import FlashAttention, flash_available  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.model import Model, rope_tables, spec_from_config  # noqa: E402
-from engine.transformer import Transformer  # noqa: E402
+from engine.kernels.attention import Segment, TorchAttention  # noqa: E402
+from engine.kernels.flash import FlashAttention, flash_available  # noqa: E402
+from engine.kv.cache import KVCache  # noqa: E402
+from engine.model.model import Model, rope_tables, spec_from_config  # noqa: E402
+from engine.model.transformer import Transformer  # noqa: E402
 from schemas import Params, QuestionEvent  # noqa: E402
 
 pytestmark = pytest.mark.gpu

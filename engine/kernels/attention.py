@@ -1,8 +1,8 @@
 """Attention over a packed batch, each question seeing only its own keys.
 
 One interface, two backends: `TorchAttention` (any device; torch SDPA per segment; decodes read the
-block pool in place with engine/paged_decode.py's kernel on CPU, else grouped and padded for SDPA)
-and `FlashAttention` in engine/flash.py (CUDA + flash-attn varlen with block tables). Both first write
+block pool in place with engine/kernels/paged_decode.py's kernel on CPU, else grouped and padded for SDPA)
+and `FlashAttention` in engine/kernels/flash.py (CUDA + flash-attn varlen with block tables). Both first write
 the step's new K/V into the question's own cache slots, then attend. No backend ever builds a mask
 over the whole packed batch: masks are per question, or per group of single-token decodes.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import paged_decode
-from engine.fixed_attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
-from engine.kv_cache import KVCache, LayerKV, padded_slots
+from engine.kernels import paged_decode
+from engine.deterministic.attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
+from engine.kv.cache import KVCache, LayerKV, padded_slots
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class TorchAttention:
 
     The decode mask hides each row's padding keys: masked keys add exact zeros, so a question's
     decode does not depend on its neighbours' lengths. `deterministic=True` swaps in fixed-tile
-    kernels (engine/fixed_attention.py) that always read keys from the cache: then a row's bits
+    kernels (engine/deterministic/attention.py) that always read keys from the cache: then a row's bits
     depend on neither its neighbours nor how its prompt was split into chunks (or recomputed).
     """
 

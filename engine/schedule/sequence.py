@@ -67,7 +67,7 @@ class Sequence:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() value; None = no deadline
     adapter: str | None = None  # the adapter's name, as asked for
-    lora: object | None = None  # the adapter version resolved at admission (engine.adapters.LoraAdapter)
+    lora: object | None = None  # the adapter version resolved at admission (engine.adapters.files.LoraAdapter)
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -100,7 +100,7 @@ class Sequence:
     def cache_namespace(self) -> tuple[str, int] | None:
         """(adapter, version) of the weights that computed this question's KV; None = the base model.
 
-        Part of the prefix cache's salt (engine/prefix_cache.py): a prefix computed under one adapter
+        Part of the prefix cache's salt (engine/kv/prefix_cache.py): a prefix computed under one adapter
         (or version) is never served to another.
         """
         return None if self.lora is None else self.lora.key

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import SamplingParams
+from engine.schedule.sequence import SamplingParams
 
 MASK64 = (1 << 64) - 1
 

@@ -18,7 +18,7 @@ false` declines the packed one) and `linear` picks by row count: PACKED_FP32_ROW
 plain. The two kernels round differently, so a row's last bits depend on how many rows share the step
 (default mode promises equal greedy tokens, not bits). Deterministic mode multiplies the packed copy in
 calls of the row counts where its start-up check shows the kernel keeps a 16-row tile's bits, else the
-plain copy in batched tiles (engine/tiles.py).
+plain copy in batched tiles (engine/deterministic/tiles.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_features import can_reorder_bf16
+from engine.kernels.cpu_features import can_reorder_bf16
 
 PACK_ROWS_HINT = 32  # the row count oneDNN picks its blocking for; any row count works
 PACKED_FP32_ROWS = range(4, 97)  # fp32 row counts where the packed kernel was faster (see above)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from engine.adapters import AdapterError, LoraAdapter, load_adapter
+from engine.adapters.files import AdapterError, LoraAdapter, load_adapter
 
 log = structlog.get_logger("kev.lora")
 

@@ -10,7 +10,7 @@ cached (idle, free-able) and is evicted least recently used first, only when the
 
 from __future__ import annotations
 
-from engine.prefix_cache import PrefixCache
+from engine.kv.prefix_cache import PrefixCache
 
 # Flags, one byte per block, so bytes.find() locates a free run in C, not in a Python loop.
 FREE, USED, IDLE = 1, 0, 2  # IDLE: held by nobody, still cached

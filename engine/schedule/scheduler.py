@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from engine.admission_order import admission_order
-from engine.block_pool import BlockPool
-from engine.prefix_chain import awaits_prefix, blocks_in_flight, cached_blocks, name_filled_blocks, shared_chain
-from engine.sequence import Sequence, Status
+from engine.schedule.admission_order import admission_order
+from engine.kv.block_pool import BlockPool
+from engine.schedule.prefix_chain import awaits_prefix, blocks_in_flight, cached_blocks, name_filled_blocks, shared_chain
+from engine.schedule.sequence import Sequence, Status
 
 Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
 OverflowPolicy = Literal["wait", "queue", "reject"]

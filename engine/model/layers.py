@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quant import Int8Weight
+from engine.kernels.quant import Int8Weight
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm, bit for bit: normalised in fp32, rounded to x's dtype, then scaled. torch's

@@ -4,7 +4,7 @@ int8 KV: each token's key (and value) per KV head is stored as int8 with one fp1
 (max |x| / 127 over head_dim). The scale depends on that token and head alone, so a token's stored
 bits never depend on what else was written in the same step: isolation (and deterministic mode's
 bitwise promise) hold unchanged. Keys are stored less a fixed per-layer, per-head vector (their mean
-over a calibration text, engine/key_means.py): attention scores shift by the same amount for every key
+over a calibration text, engine/model/key_means.py): attention scores shift by the same amount for every key
 of a query, which softmax ignores, and the rounding step shrinks. Backends read through
 `LayerKV.gather`, which dequantises (the keys stay centred: nothing downstream needs them whole).
 """

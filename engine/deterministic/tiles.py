@@ -22,8 +22,8 @@ from __future__ import annotations
 import structlog
 import torch
 
-from engine.packed_weight import PackedWeight
-from engine.quant import Int8Weight
+from engine.kernels.packed_weight import PackedWeight
+from engine.kernels.quant import Int8Weight
 
 log = structlog.get_logger("kev.tiles")
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers import apply_rope, embed, linear, rms_norm, signed_sin
-from engine.packed_weight import PackedWeight, can_pack
-from engine.quant import Int8Weight
-from engine.tiles import TileCheck, tiled_linear
+from engine.model.layers import apply_rope, embed, linear, rms_norm, signed_sin
+from engine.kernels.packed_weight import PackedWeight, can_pack
+from engine.kernels.quant import Int8Weight
+from engine.deterministic.tiles import TileCheck, tiled_linear
 
 if TYPE_CHECKING:
-    from engine.lora import LoraBatch
+    from engine.adapters.lora import LoraBatch
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -99,7 +99,7 @@ class Transformer:
         self.lm_head = self.embed if tied else Int8Weight(_unpacked(self.lm_head))
 
     def pack_weights(self) -> None:
-        """On CPU, every matmul's weight reordered once into oneDNN's layout (engine/packed_weight.py).
+        """On CPU, every matmul's weight reordered once into oneDNN's layout (engine/kernels/packed_weight.py).
         A tied embedding table stays as it is for lookups; the output head gets its own packed copy."""
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):

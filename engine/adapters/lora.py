@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.adapters import FUSED, FusedLora, LoraAdapter
-from engine.tiles import TileCheck, tiled_matmul
+from engine.adapters.files import FUSED, FusedLora, LoraAdapter
+from engine.deterministic.tiles import TileCheck, tiled_matmul
 
 
 @dataclass
@@ -53,7 +53,7 @@ class LoraBatch:
 
 @dataclass
 class TiledLoraBatch:
-    """Deterministic mode's LoRA: each adapter alone, its rows in fixed tiles (engine/tiles.py).
+    """Deterministic mode's LoRA: each adapter alone, its rows in fixed tiles (engine/deterministic/tiles.py).
 
     The batched form above pads every adapter to the mix's largest rank and group, so a row's sums
     would change length with its neighbours' adapters. Here a row meets only its own adapter's

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import Segment, TorchAttention
-from engine.kv_cache import KVCache
-from engine.lora import LoraBatch, LoraStacks, TiledLoraBatch
-from engine.sampler import Sampler, SampleRow
-from engine.scheduler import StepPlan
+from engine.kernels.attention import Segment, TorchAttention
+from engine.kv.cache import KVCache
+from engine.adapters.lora import LoraBatch, LoraStacks, TiledLoraBatch
+from engine.model.sampler import Sampler, SampleRow
+from engine.schedule.scheduler import StepPlan
 
 
 @dataclass

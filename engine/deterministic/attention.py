@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import padded_slots
-from engine.tiles import ROW_TILE, check_items, pad_rows
+from engine.kv.cache import padded_slots
+from engine.deterministic.tiles import ROW_TILE, check_items, pad_rows
 
 KEY_TILE = 64  # keys per tile
 

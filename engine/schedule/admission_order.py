@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from engine.sequence import Sequence, Status
+from engine.schedule.sequence import Sequence, Status
 
 ORDER: dict[str, Callable[[Sequence], tuple]] = {
     # Preempted questions go first in every policy: they already waited once.

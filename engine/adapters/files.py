@@ -5,7 +5,7 @@ the caller, and are checked against its weights and the base model before it may
 Kev fuses q/k/v into one `qkv` matmul and gate/up into `gate_up`; an adapter is fused the same way, so a
 fused projection gets one low-rank update: shrink (every target's A stacked) then expand (the B's laid
 block-diagonally, with the scaling folded in). Parts of a fused matrix the adapter does not target get
-exact zeros. engine/adapter_pool.py keeps loaded adapters; engine/lora.py applies them in a forward.
+exact zeros. engine/adapters/pool.py keeps loaded adapters; engine/adapters/lora.py applies them in a forward.
 """
 
 from __future__ import annotations

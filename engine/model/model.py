@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_features import compute_dtype
-from engine.key_means import key_means
-from engine.loader import resolve_model_dir
-from engine.transformer import Transformer
+from engine.kernels.cpu_features import compute_dtype
+from engine.model.key_means import key_means
+from engine.model.loader import resolve_model_dir
+from engine.model.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -42,7 +42,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes per token for a storage dtype (int8 includes its per-head scales)."""
-        from engine.kv_cache import kv_bytes_per_token
+        from engine.kv.cache import kv_bytes_per_token
 
         return kv_bytes_per_token(self, dtype)
 
@@ -77,7 +77,7 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     `dtype`: fp32 | bf16 | fp16 compute and storage dtype (bf16 on a CPU without bf16 instructions
     falls back to fp32, logged). `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
     `pack_fp32`: on CPU, fp32 matrices also get a oneDNN-packed copy for decode-sized products
-    (engine/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
+    (engine/kernels/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -94,7 +94,7 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
                                             pack_fp32=pack_fp32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
-        from engine.paged_decode import kernel
+        from engine.kernels.paged_decode import kernel
 
         kernel()
     return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)

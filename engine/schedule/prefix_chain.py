@@ -6,9 +6,9 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.prefix_cache import chain_hashes
-from engine.sequence import Sequence
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_cache import chain_hashes
+from engine.schedule.sequence import Sequence
 
 
 def cached_blocks(pool: BlockPool, seq: Sequence) -> list[int]:

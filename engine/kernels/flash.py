@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import Segment, slot_mapping
-from engine.kv_cache import KVCache
+from engine.kernels.attention import Segment, slot_mapping
+from engine.kv.cache import KVCache
 
 try:  # flash-attn is the optional `kev[gpu]` extra
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

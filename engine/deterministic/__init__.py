@@ -1,0 +1,1 @@
+"""Everything that exists only for deterministic (batch-invariant) mode: fixed-tile matmuls and attention."""

@@ -1,0 +1,136 @@
+"""Single-token decode attention that reads each question's keys and values where they lie in the block
+pool, instead of gathering them into a padded batch first (CPU; fp32, bf16 and int8 caches).
+
+The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`kev bench step --profile`):
+it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
+attention then reads the copy again. This kernel reads each key and value once, from its slot.
+
+A task is a whole question when the step has enough rows (it then reads the question's blocks in
+order, all KV heads of a position lying together), else one KV head of a question, so every thread
+has work. Either way each query head scores every visible key of its question (its own block table,
+up to its own length), softmaxes and sums the values in fp32, in the same order whatever the task
+holds. A task never reads another question's slots and its arithmetic does not depend on which other
+rows share the step, so a row's result is the same alone or packed (the tests check both splits).
+
+An int8 cache is read as it is stored: each key's dot product with the query is multiplied by that
+key's scale, and each softmax weight by its value's scale before it weighs the int8 value, so a step
+reads a quarter of fp32's bytes and never writes a dequantised copy.
+
+The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
+extension cache under a name keyed by this source, its compiler flags and the CPU's flags, so a cache carried to another
+CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0 when an engine is built, decodes
+use the SDPA path (engine/kernels/attention.py's _DecodeGroups).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+
+import structlog
+import torch
+
+log = structlog.get_logger("kev.engine.paged_decode")
+
+# The C++ source sits beside this file; its text is part of the build key, so an edit rebuilds it.
+_SOURCE = (pathlib.Path(__file__).parent / "paged_decode.cpp").read_text()
+
+
+# -fno-trapping-math lets floor() vectorise in the softmax's exp; Kev never reads floating-point traps.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def kernel():
+    """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
+    if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
+        return None
+    return compiled(tuple(_CFLAGS))
+
+
+@functools.cache
+def compiled(cflags: tuple[str, ...]):
+    """The op built with these compiler flags (the engine's are _CFLAGS; the tests also build one
+    without AVX-512, the path CPUs without it take), or None where it cannot be built."""
+    name = f"kev_paged_decode_{_build_key(cflags)}"
+    try:
+        return _import_built(name).paged_decode
+    except Exception:  # not built on this machine yet (or not loadable): build it
+        pass
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        log.info("attention.paged_decode_building", note="once per machine, about a minute")
+        module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
+                             extra_cflags=list(cflags),
+                             extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
+        log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
+        return None
+    return module.paged_decode
+
+
+def _import_built(name: str):
+    """The library an earlier build left, imported directly. load_inline would re-run ninja under a lock
+    file on every start (~1 s more), and a process killed while holding that lock leaves every later
+    start waiting on it."""
+    import importlib.util
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or not os.path.exists(library):
+        raise FileNotFoundError(library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_key(cflags: tuple[str, ...]) -> str:
+    """This source, its compiler flags and this CPU's flags: a build for one CPU is never loaded on another."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1((_SOURCE + " ".join(cflags) + flags + torch.__version__).encode()).hexdigest()[:12]
+
+
+# The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).
+HEAD_SIZES = (16, 32, 64, 128)
+GROUPS = (1, 2, 3, 4, 8)
+
+
+def usable(kv) -> bool:
+    """Whether decodes over this cache can take the kernel: CPU, fp32 or bf16 queries over a cache of
+    their dtype or int8, a compiled head shape."""
+    return (kv.k.device.type == "cpu" and kv.compute_dtype in (torch.float32, torch.bfloat16)
+            and (kv.quantized or kv.k.dtype == kv.compute_dtype)
+            and kv.k.shape[-1] in HEAD_SIZES and kv.group in GROUPS and kernel() is not None)
+
+
+class PagedDecodes:
+    """Single-token decodes of any lengths, each attending its own slots in place: no padding, no gather."""
+
+    def __init__(self, segments: list, block_size: int, device: torch.device):
+        widest = max(len(s.block_ids) for s in segments)
+        # Padding names the row's own first block (never read: a row stops at its length).
+        self.table = torch.tensor([s.block_ids + s.block_ids[:1] * (widest - len(s.block_ids)) for s in segments],
+                                  dtype=torch.long)
+        self.lengths = torch.tensor([s.kv_len for s in segments], dtype=torch.long)
+        self.rows = torch.tensor([s.q_start for s in segments], device=device)
+        self.block_size = block_size
+        self.op = kernel()  # once per step, not per layer
+
+    def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
+        """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
+        scales = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
+        args = (q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size, q.shape[-1] ** -0.5,
+                *scales)
+        if not torch.autograd._profiler_enabled():  # a record_function costs ~8 us even with no profiler
+            return self.op(*args)
+        with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`
+            return self.op(*args)

@@ -1,0 +1,1 @@
+"""From sampled tokens to answers: detokenizing with stop strings."""
