@@ -1,5 +1,7 @@
 """EngineCore: the synchronous engine. One `step()` is one packed forward over every scheduled question.
 
+A step: the scheduler plans, the runner computes, the scheduler records; the output processor
+(engine/output/processor.py) turns the new tokens into text and the ended questions into answers.
 Single-threaded by design; `Engine` (engine/engine.py) runs it on its own thread for async callers,
 and `IsolatedBatchPipeline` drives it in a plain loop.
 """
@@ -9,42 +11,29 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 
+from engine.adapters.files import LoraAdapter
+from engine.adapters.pool import LoraPool
 from engine.audit import forward_summary, violations
-from engine.kv.block_pool import BlockPool
-from engine.schedule.deadlines import deadline, expired_message
 from engine.defaults import DefaultsRegistry
-from engine.output.detokenizer import TextStream
+from engine.deterministic.mode import math_mode
+from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt
 from engine.kernels.flash import FlashAttention, flash_available
+from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
-from engine.adapters.pool import AdapterPoolFull, LoraPool, UnknownAdapter
-from engine.adapters.files import AdapterError, LoraAdapter
-from engine.intake import QuestionRejected, prepare_prompt
-from engine.options import EngineOptions
 from engine.kv.prefix_cache import prefix_salt
-from engine.schedule.routing import Router
 from engine.model.runner import ModelRunner
+from engine.options import EngineOptions
+from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
+from engine.schedule.deadlines import deadline, expired_message
+from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.schedule.sequence import Sequence, Status
-from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
+from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.engine")
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    question_id: str
-    token_id: int
-    text: str  # newly settled text (may be empty while a character or stop string is pending)
-
-
-@dataclass
-class StepEvents:
-    deltas: list[TokenDelta] = field(default_factory=list)
-    answers: list[AnswerEvent] = field(default_factory=list)  # questions that ended this step
 
 
 class EngineCore:
@@ -64,9 +53,9 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, self.block_size)
         key_center = model.key_means() if options.kv_dtype == "int8" else None
         self.kv = KVCache(model.spec, num_blocks, self.block_size, kv_dtype, model.device, model.dtype, key_center)
-        # Each engine gets its own view of the shared weights: its deterministic mode is its own.
+        # Each engine gets its own view of the shared weights: its math mode is its own.
         weights = copy.copy(model.weights)
-        weights.set_deterministic(options.deterministic)
+        weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
         self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position))
@@ -74,9 +63,7 @@ class EngineCore:
         self.loras = LoraPool(model, options.max_loras)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets)
-        self._questions: dict[str, QuestionEvent] = {}
-        self._streams: dict[str, TextStream] = {}
-        self._sequences: dict[str, Sequence] = {}
+        self.output = OutputProcessor(model.tokenizer, options.worker)
         self.num_forwards = 0
         self.num_generated = 0
         # Called with the batch size (questions in the pass) after each forward, on the device thread.
@@ -93,20 +80,18 @@ class EngineCore:
         "timeout" at the next step, with no prefill. Without `prompt_ids` the prompt is encoded here.
         """
         qid = question.question_id
-        if qid in self._sequences:
+        if qid in self.output:
             raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
         arrival = time.monotonic() if arrival is None else arrival
-        start = arrival if published is None else min(published, arrival)
-        timeout_ms = question.timeout_ms or self.options.default_timeout_ms
-        ends_at = deadline(start, timeout_ms)
+        ends_at = self.deadline(question, arrival, published)
         now = time.monotonic()
         if ends_at is not None and now >= ends_at:
-            return self._expire(question, arrival, expired_message(start, arrival, timeout_ms, now))
+            return self._expire(question, arrival, published, now)
         if prompt_ids is None:
             prompt_ids = self.prepare(question)
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
-        lora = self._acquire_adapter(question.adapter)
+        lora = acquire_adapter(self.loras, question.adapter)
         seq = Sequence(
             question_id=qid,
             prompt_ids=list(prompt_ids),
@@ -126,7 +111,7 @@ class EngineCore:
             self.loras.release(lora)
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
-        self._track(question, seq)
+        self.output.track(question, seq)
         return seq
 
     def prepare(self, question: QuestionEvent) -> list[int]:
@@ -137,21 +122,27 @@ class EngineCore:
         """
         return prepare_prompt(self.model.tokenizer, question, self.scheduler.max_tokens_per_question)
 
-    def _expire(self, question: QuestionEvent, arrival: float, why: str) -> Sequence:
+    def deadline(self, question: QuestionEvent, arrival: float, published: float | None) -> float | None:
+        """When the question must be answered by (time.monotonic()); None when it has no timeout.
+
+        Counted from its publish time (engine.schedule.deadlines.published_at), or from its arrival
+        when it was not published earlier.
+        """
+        start = arrival if published is None else min(published, arrival)
+        return deadline(start, question.timeout_ms or self.options.default_timeout_ms)
+
+    def _expire(self, question: QuestionEvent, arrival: float, published: float | None, now: float) -> Sequence:
         """End a question that is past its deadline on arrival: answered at the next step, never computed."""
+        start = arrival if published is None else min(published, arrival)
+        why = expired_message(start, arrival, question.timeout_ms or self.options.default_timeout_ms, now)
         seq = Sequence(question_id=question.question_id, prompt_ids=[],
                        params=self.defaults.resolve(question.params, self.stop_token_ids),
                        priority=question.priority, arrival=arrival, adapter=question.adapter)
         seq.error = why
         self.scheduler.finish(seq, Status.TIMEOUT)
-        self._track(question, seq)
+        self.output.track(question, seq)
         log.info("question.expired", question_id=question.question_id, why=why)
         return seq
-
-    def _track(self, question: QuestionEvent, seq: Sequence) -> None:
-        qid = question.question_id
-        self._questions[qid], self._sequences[qid] = question, seq
-        self._streams[qid] = TextStream(self.model.tokenizer, seq.params.stop)
 
     def _prefix_salt(self, question: QuestionEvent, seq: Sequence) -> bytes:
         tenant = question.tenant if self.options.prefix_scope == "tenant" else None
@@ -170,18 +161,6 @@ class EngineCore:
         """New questions naming it get `unknown_adapter`; those already admitted finish with it."""
         self.loras.unload(name)
 
-    def _acquire_adapter(self, name: str | None) -> LoraAdapter | None:
-        if not name:
-            return None
-        try:
-            return self.loras.acquire(name)
-        except UnknownAdapter:
-            raise QuestionRejected("unknown_adapter", f"adapter {name!r} is not loaded") from None
-        except AdapterPoolFull as exc:
-            raise QuestionRejected("overloaded", str(exc)) from None
-        except AdapterError as exc:  # evicted, and its files changed or went away since it was loaded
-            raise QuestionRejected("adapter_error", str(exc)) from None
-
     def has_room(self) -> bool:
         return self.scheduler.has_room()
 
@@ -194,64 +173,34 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> StepEvents:
+        """One packed forward: the text it settled, and the answers of the questions that ended."""
         plan = self.scheduler.schedule()
         events = StepEvents()
         if plan:
             out = self.runner.execute(plan)
             if self.step_observer is not None:
                 self.step_observer(len(plan.chunks))
-            self._audit(plan, out.segments)
+            self.num_forwards += 1
+            if self.options.audit:
+                self._audit(plan, out.segments)
             new_tokens = self.scheduler.update(plan, out.sampled)
             events.deltas = self._detokenize(new_tokens)
         events.answers = [self._answer(seq) for seq in self.scheduler.take_finished()]
         return events
 
     def _detokenize(self, new_tokens: list[tuple[Sequence, int]]) -> list[TokenDelta]:
-        deltas = []
         self.num_generated += len(new_tokens)
-        for seq, token in new_tokens:
-            stream = self._streams[seq.question_id]
-            try:
-                deltas.append(TokenDelta(seq.question_id, token, stream.push(token)))
-            except Exception as exc:  # this question's failure is its own: the batch goes on
-                seq.error = f"detokenizing failed: {exc}"
-                self.scheduler.finish(seq, Status.ERROR)
-                continue
-            if stream.stopped and seq.status == Status.LENGTH:  # ended by both on one token: the stop string counts
-                seq.status = Status.STOPPED
-            elif stream.stopped:  # a stop string ended it: free its blocks this very step
-                self.scheduler.finish(seq, Status.STOPPED)
+        deltas, ended = self.output.detokenize(new_tokens)
+        for seq, status in ended:  # ended by its text: its blocks go back to the pool this very step
+            self.scheduler.finish(seq, status)
         return deltas
 
     def _answer(self, seq: Sequence) -> AnswerEvent:
-        qid = seq.question_id
-        question, stream = self._questions.pop(qid), self._streams.pop(qid)
-        del self._sequences[qid]
         self.loras.release(seq.lora)
-        stream.finish()
-        # A stop string's tokens are not part of the answer: token_ids and usage count what `text` keeps.
-        output_ids = tuple(seq.output_ids[:stream.kept_tokens] if stream.stopped else seq.output_ids)
-        return AnswerEvent(
-            question_id=qid,
-            request_id=question.request_id,
-            error=_error(seq),
-            text=stream.text,
-            token_ids=output_ids,
-            finish_reason=seq.status.finish_reason,
-            usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids),
-                        cached_prompt_tokens=seq.cached_prompt_tokens),
-            timings=_timings(seq),
-            audit=Audit(worker=self.options.worker, channel=seq.channel, blocks=seq.audit_blocks,
-                        steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
-                        routing_bucket=seq.routing_bucket,
-                        defaults_version=seq.params.defaults_version,
-                        cached_prompt_tokens=seq.cached_prompt_tokens),
-        )
+        return self.output.answer(seq)
 
     def _audit(self, plan, segments) -> None:
-        self.num_forwards += 1
-        if not self.options.audit:
-            return
+        """Log what this forward packed (`forward.mask`), or what broke isolation if anything did."""
         record = forward_summary(self.num_forwards, [c.seq.question_id for c in plan.chunks], segments,
                                  self.block_size, routing=self.options.debug,
                                  prefixes=[self.scheduler.shared_prefix(c.seq) for c in plan.chunks])
@@ -260,10 +209,6 @@ class EngineCore:
             log.error("forward.isolation_violation", problems=problems, **record)
         else:
             log.info("forward.mask", **record)  # audit is on only when asked for: show it at the default level
-
-
-def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:
-    return error_answer(question.question_id, question.request_id, exc.code, exc.message)
 
 
 def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
@@ -288,32 +233,3 @@ def _block_size(options: EngineOptions, attention) -> int:
         log.info("kv.block_size_adjusted", configured=options.block_size, used=needs, backend=attention.name)
         return needs
     return options.block_size
-
-
-def _error(seq: Sequence) -> ErrorInfo | None:
-    if seq.status == Status.ERROR:
-        return ErrorInfo("internal_error", seq.error or "")
-    if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty
-        return ErrorInfo("deadline_expired", seq.error)
-    return None
-
-
-def _timings(seq: Sequence) -> Timings:
-    """Milliseconds from when the question reached this worker (`arrival`), not from its publish time:
-    queued_ms until it was first admitted to the batch (0 if never), ttft_ms until its first token,
-    e2e_ms until it ended. Its deadline, unlike these, counts from the publish time."""
-
-    def ms(t):
-        return None if t is None else round((t - seq.arrival) * 1000, 3)
-
-    return Timings(queued_ms=ms(seq.admitted_at) or 0.0, ttft_ms=ms(seq.first_token_at),
-                   e2e_ms=ms(seq.finished_at) or 0.0)
-
-
-def _compact(sizes: list[int]) -> tuple[int, ...]:
-    """Batch sizes seen, one entry per change, so a long answer's audit stays short."""
-    out: list[int] = []
-    for size in sizes:
-        if not out or out[-1] != size:
-            out.append(size)
-    return tuple(out)

@@ -7,24 +7,39 @@ import secrets
 import threading
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from engine.schedule.sequence import SamplingParams
+from schemas import DEFAULT_CONFIG, ENV_SHORTCUTS, SamplingConfig
+
+_SAMPLING = DEFAULT_CONFIG.sampling
+_ENV_NAME = {key: name for name, key in ENV_SHORTCUTS.items()}  # ("sampling", "temperature") -> "KEV_TEMPERATURE"
 
 
 @dataclass(frozen=True)
 class Defaults:
+    """kev.yaml's `sampling` section at one version; a field's default is the schema's."""
+
     version: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 256
-    seed: int | None = None
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k
+    repetition_penalty: float = _SAMPLING.repetition_penalty
+    max_new_tokens: int = _SAMPLING.max_new_tokens
+    seed: int | None = _SAMPLING.seed
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig) -> "Defaults":
+        """The first version of a config's sampling defaults."""
+        return cls(**msgspec.structs.asdict(sampling))
 
     @classmethod
     def from_env(cls, env=os.environ, **overrides) -> "Defaults":
-        """`KEV_TEMPERATURE` sets the default temperature when the caller gives none."""
-        if "temperature" not in overrides and env.get("KEV_TEMPERATURE"):
-            overrides["temperature"] = float(env["KEV_TEMPERATURE"])
+        """Without a kev.yaml: the temperature's environment shortcut (KEV_TEMPERATURE), as the config
+        loader reads it, sets the default temperature when the caller gives none."""
+        name = _ENV_NAME["sampling", "temperature"]
+        if "temperature" not in overrides and env.get(name):
+            overrides["temperature"] = float(env[name])
         return cls(**overrides)
 
 

@@ -18,38 +18,24 @@ import anyio.from_thread
 import anyio.to_thread
 import structlog
 
-from engine.core import EngineCore, QuestionRejected, StepEvents, rejected_answer
 from engine.adapters.files import LoraAdapter
-from engine.schedule.deadlines import deadline, published_at
+from engine.core import EngineCore
 from engine.defaults import Defaults
+from engine.intake import QuestionRejected
 from engine.options import EngineOptions
+from engine.output.answers import rejected_answer
+from engine.output.handle import Handle
+from engine.output.processor import StepEvents
 from engine.prompt import as_question
+from engine.schedule.deadlines import published_at
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
 
 _STOP = object()
+_CLOSED = ("engine_closed", "the engine closed before this question started")  # why a question never started
 # Prompts are rendered and tokenized on one worker thread at a time, in arrival order; the tokenizer
 # is shared with the device thread's detokenizing, and one thread keeps encodes from contending.
 TOKENIZING_THREADS = 1
 log = structlog.get_logger("kev.engine")
-
-
-@dataclass(eq=False)
-class Handle:
-    """A submitted question: its streamed deltas so far and, once it ends, its answer."""
-
-    question: QuestionEvent
-    deltas: list[AnswerDelta] = field(default_factory=list)
-    answer: AnswerEvent | None = None
-    cancelling: bool = False  # a cancel is on its way; the answer (finish_reason "cancelled") follows
-    _changed: anyio.Event = field(default_factory=anyio.Event)
-
-    @property
-    def question_id(self) -> str:
-        return self.question.question_id
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
 
 
 @dataclass(eq=False)
@@ -120,8 +106,8 @@ class Engine:
             await self.wait(previous)
         handle = Handle(question, cancelling=cancelled)
         if question.question_id in self._handles:
-            self._finish(handle, rejected_answer(question, QuestionRejected(
-                "duplicate_question_id", f"question {question.question_id!r} is already in flight")), own=True)
+            self._end(handle, rejected_answer(question, QuestionRejected(
+                "duplicate_question_id", f"question {question.question_id!r} is already in flight")))
             return handle
         self._handles[question.question_id] = handle  # from now on holds() and cancel() know it
         arrival = time.monotonic() if arrival is None else arrival
@@ -135,8 +121,7 @@ class Engine:
             self._drop(handle, None)
             raise
         if self.closed:  # closed while it was tokenized: the step loop may have stopped reading commands
-            self._drop(handle, rejected_answer(question, QuestionRejected(
-                "engine_closed", "the engine closed before this question started")))
+            self._drop(handle, rejected_answer(question, QuestionRejected(*_CLOSED)))
             return handle
         self._commands.put(("add", (question, prompt_ids, arrival, published)))
         return handle
@@ -144,8 +129,7 @@ class Engine:
     async def _prepare(self, question: QuestionEvent, arrival: float, published: float | None) -> list[int] | None:
         """Its prompt ids, tokenized off the device thread; None when its deadline has already passed
         (the engine answers it "timeout" without tokenizing or computing anything)."""
-        start = arrival if published is None else min(published, arrival)
-        ends_at = deadline(start, question.timeout_ms or self.options.default_timeout_ms)
+        ends_at = self.core.deadline(question, arrival, published)
         if ends_at is not None and time.monotonic() >= ends_at:
             return None
         if self._tokenizing is None:  # made here: a CapacityLimiter needs a running event loop
@@ -155,27 +139,14 @@ class Engine:
     def _drop(self, handle: Handle, answer: AnswerEvent | None) -> None:
         """A question that never reached the core: answer it here (or just forget it) and free its place."""
         del self._handles[handle.question_id]
-        if answer is not None:
-            self._finish(handle, answer, own=True)
-        else:
-            self._places.release()
-            handle._notify()
+        self._end(handle, answer)
 
     async def wait(self, handle: Handle, timeout: float | None = None) -> AnswerEvent:
-        with anyio.fail_after(timeout):
-            while handle.answer is None:
-                await handle._changed.wait()
-        return handle.answer
+        return await handle.wait(timeout)
 
     async def stream(self, handle: Handle) -> AsyncIterator[AnswerDelta]:
-        sent = 0
-        while True:
-            while sent < len(handle.deltas):
-                sent += 1
-                yield handle.deltas[sent - 1]
-            if handle.answer is not None:
-                return
-            await handle._changed.wait()
+        async for delta in handle.stream():
+            yield delta
 
     def holds(self, question_id: str) -> bool:
         """Whether a question with this id was submitted and has not been answered yet."""
@@ -223,10 +194,9 @@ class Engine:
         """Run `fn(*args)` where the core lives, so it never races a step."""
         if self.closed:
             raise RuntimeError("the engine is closed")
-        call = _Call(fn, args)
         if self._task_group is None:  # not started: no device thread, nothing else touches the core
-            call.run()
-            return call.result()
+            return fn(*args)
+        call = _Call(fn, args)
         self._commands.put(("call", call))
         await call.done.wait()
         return call.result()
@@ -253,34 +223,34 @@ class Engine:
     def _drain_commands(self, block_for: float | None) -> bool:
         """Apply every queued command, blocking up to `block_for` seconds (None = until one comes)."""
         try:
-            command = self._commands.get(timeout=block_for) if block_for != 0 else self._commands.get_nowait()
+            first = self._commands.get(timeout=block_for) if block_for != 0 else self._commands.get_nowait()
         except queue.Empty:
             return True
-        while True:
+        for command in itertools.chain([first], self._queued()):
             if command is _STOP:
                 return False
             self._apply(*command)
+        return True
+
+    def _queued(self):
+        """The commands queued now, taken one by one without waiting."""
+        while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
-                return True
+                return
 
     def _refuse_queued_calls(self) -> None:
         """Calls queued behind the stop would otherwise wait forever."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._queued():
             if command is _STOP:
                 continue
             if command[0] == "call":
                 command[1].error = RuntimeError("the engine closed before this call ran")
                 anyio.from_thread.run_sync(command[1].done.set)
             elif command[0] == "add":  # its submitter is waiting for an answer: give it one
-                question = command[1][0]
-                closed = QuestionRejected("engine_closed", "the engine closed before this question started")
-                self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, closed)]))
+                closed = rejected_answer(command[1][0], QuestionRejected(*_CLOSED))
+                self._deliver_from_thread(StepEvents(answers=[closed]))
 
     def _apply(self, verb: str, arg) -> None:
         if verb == "cancel":
@@ -312,22 +282,19 @@ class Engine:
         for delta in events.deltas:
             handle = self._handles.get(delta.question_id)
             if handle is not None and delta.text:
-                handle.deltas.append(AnswerDelta(delta.question_id, len(handle.deltas), delta.text))
+                handle.add_text(delta.text)
                 touched[delta.question_id] = handle
         for answer in events.answers:
-            handle = self._handles.get(answer.question_id)
+            handle = self._handles.pop(answer.question_id, None)
             if handle is not None:
-                self._finish(handle, answer)
+                self._end(handle, answer)
                 touched.pop(answer.question_id, None)
         for handle in touched.values():
             handle._notify()
 
-    def _finish(self, handle: Handle, answer: AnswerEvent, own: bool = False) -> None:
-        handle.answer = answer
-        # The last delta carries what was held back (a possible stop string, an unfinished character).
-        tail = answer.text[sum(len(d.text) for d in handle.deltas):]
-        handle.deltas.append(AnswerDelta(answer.question_id, len(handle.deltas), tail, done=True))
-        if not own:
-            del self._handles[answer.question_id]
+    def _end(self, handle: Handle, answer: AnswerEvent | None) -> None:
+        """Hand the handle its answer (None: the submitter is gone, nobody waits for one) and free its place."""
+        if answer is not None:
+            handle.end(answer)
         self._places.release()
         handle._notify()

@@ -1,4 +1,5 @@
-"""Checks a question passes before the scheduler sees it: its prompt rendered, tokenized and within limits.
+"""Checks a question passes before the scheduler sees it: its prompt rendered, tokenized and within
+limits, and the adapter it names resident.
 
 `prepare_prompt` only reads the tokenizer and fixed limits, so `Engine` runs it on a worker thread:
 a huge prompt's chat template and tokenizer never hold up the device thread's next step.
@@ -6,6 +7,8 @@ a huge prompt's chat template and tokenizer never hold up the device thread's ne
 
 from __future__ import annotations
 
+from engine.adapters.files import AdapterError, LoraAdapter
+from engine.adapters.pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.prompt import encode_prompt
 from schemas import QuestionEvent
 
@@ -52,3 +55,17 @@ def prepare_prompt(tokenizer, question: QuestionEvent, max_tokens: int) -> list[
                                f"at most {most_prompt_tokens} (a context of {max_tokens} tokens, one kept for "
                                f"the answer)")
     return prompt_ids
+
+
+def acquire_adapter(loras: LoraPool, name: str | None) -> LoraAdapter | None:
+    """The adapter version a question named, held for it until its answer; None when it names none."""
+    if not name:
+        return None
+    try:
+        return loras.acquire(name)
+    except UnknownAdapter:
+        raise QuestionRejected("unknown_adapter", f"adapter {name!r} is not loaded") from None
+    except AdapterPoolFull as exc:
+        raise QuestionRejected("overloaded", str(exc)) from None
+    except AdapterError as exc:  # evicted, and its files changed or went away since it was loaded
+        raise QuestionRejected("adapter_error", str(exc)) from None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core import EngineCore, QuestionRejected, rejected_answer
+from engine.core import EngineCore
+from engine.intake import QuestionRejected
 from engine.options import EngineOptions
+from engine.output.answers import rejected_answer
 from engine.prompt import as_question
 from schemas import AnswerEvent
 
@@ -15,8 +17,9 @@ Answer = AnswerEvent  # text, token_ids, finish_reason, usage, timings, audit
 class IsolatedBatchPipeline:
     """Blocking, one call at a time: `run(questions, **params) -> [Answer]` in input order."""
 
-    def __init__(self, model, *, max_batch_size: int = 32, kv_slot_capacity: int | None = None,
-                 early_stop: bool = True, options: EngineOptions | None = None, **option_overrides):
+    def __init__(self, model, *, max_batch_size: int = EngineOptions.max_batch_size,
+                 kv_slot_capacity: int | None = None,
+                 early_stop: bool = EngineOptions.early_stop, options: EngineOptions | None = None, **option_overrides):
         options = options or EngineOptions()
         self.options = dataclasses.replace(options, max_batch_size=max_batch_size,
                                            kv_slot_capacity=kv_slot_capacity or options.kv_slot_capacity,

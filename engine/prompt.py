@@ -35,7 +35,10 @@ def chat_messages(question: QuestionEvent) -> list[dict]:
 
 
 def encode_prompt(tokenizer, question: QuestionEvent) -> list[int]:
-    """The chat template with a generation prompt; plain tokens where the tokenizer has no template."""
+    """A raw question's prompt as the tokenizer encodes it (special tokens such as BOS as the model wants);
+    otherwise the chat template with a generation prompt, or plain tokens where the tokenizer has none."""
+    if question.raw:
+        return list(tokenizer.encode(question.prompt or ""))
     messages = chat_messages(question)
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -10,6 +10,8 @@ from typing import Any
 
 import structlog
 
+from schemas import DEFAULT_CONFIG
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 _configured = False
@@ -40,7 +42,8 @@ def _logger_factory(*args: Any) -> _NamedPrintLogger:
     return _NamedPrintLogger(args[0] if args else "")
 
 
-def configure_logging(level: str = "info", json: bool | None = None) -> None:
+def configure_logging(level: str = DEFAULT_CONFIG.logging.level,
+                      json: bool | None = DEFAULT_CONFIG.logging.json) -> None:
     """Configure structlog on the first call; later calls only change the level."""
     global _configured
     if _configured:

@@ -1,7 +1,7 @@
 """Load kev.yaml, apply KEV_* environment overrides, and validate into a KevConfig.
 
 `KEV_<SECTION>__<KEY>[__<KEY>]` sets any key (values parsed as YAML scalars); a few short names
-(KEV_MODEL, KEV_TEMPERATURE, ...) cover the common ones. Other KEV_ names are left alone.
+(KEV_MODEL, KEV_TEMPERATURE, ...: schemas.ENV_SHORTCUTS) cover the common ones. Other KEV_ names are left alone.
 """
 
 from __future__ import annotations
@@ -16,14 +16,8 @@ import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from schemas import ConfigError, KevConfig, config_from_dict
+from schemas import ENV_SHORTCUTS, ConfigError, KevConfig, config_from_dict
 
-SHORTCUTS = {
-    "KEV_TEMPERATURE": ("sampling", "temperature"),
-    "KEV_MODEL": ("core", "model_path"),
-    "KEV_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
-    "KEV_LOG_LEVEL": ("logging", "level"),
-}
 SECRET_KEYS = {("kafka", "security", "sasl_plain_password"), ("kafka", "trust", "keys"), ("gateway", "api_keys")}
 _SCHEMA = mi.type_info(KevConfig)
 
@@ -83,8 +77,8 @@ def resolved_dict(cfg: KevConfig, redact: bool = True) -> dict:
 
 
 def _env_keys(name: str) -> tuple[str, ...] | None:
-    if name in SHORTCUTS:
-        return SHORTCUTS[name]
+    if name in ENV_SHORTCUTS:
+        return ENV_SHORTCUTS[name]
     if not name.startswith("KEV_") or "__" not in name:
         return None  # other KEV_ variables (paths, test switches) are not config keys
     return tuple(part.lower() for part in name[len("KEV_"):].split("__"))
@@ -151,6 +145,6 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 def set_threads(threads: int | None) -> None:
     """Torch's CPU threads for every command: as configured, else one per core (at most 16)."""
-    import torch
+    import torch  # heavy: not imported for `kev --help` or `kev config check`
 
     torch.set_num_threads(threads or min(os.cpu_count() or 1, 16))

@@ -14,10 +14,13 @@ from schemas.answers import (
     error_answer,
 )
 from schemas.config import (
+    DEFAULT_CONFIG,
+    DEFAULT_MODEL,
+    EMBEDDED_BROKER,
+    ENV_SHORTCUTS,
     AdaptersConfig,
     AggregatorConfig,
     BrokerConfig,
-    ConfigError,
     CoreConfig,
     DeployConfig,
     IsolationConfig,
@@ -25,22 +28,31 @@ from schemas.config import (
     KafkaConfig,
     KevConfig,
     KvCacheConfig,
+    KvDtype,
     LimitsConfig,
     LoggingConfig,
     MetricsConfig,
+    OverflowPolicy,
+    PrefixScope,
     RouterConfig,
     SamplingConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     SecurityConfig,
     TrustConfig,
-    config_from_dict,
 )
+from schemas.config_validation import ConfigError, config_from_dict
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
+from schemas.routing import RoutingStrategy
 from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
 __all__ = [
     "DEFAULTS_KEYS",
+    "DEFAULT_CONFIG",
+    "DEFAULT_MODEL",
+    "EMBEDDED_BROKER",
+    "ENV_SHORTCUTS",
     "SCHEMA_VERSION",
     "SUPPORTED_SCHEMAS",
     "AdaptersConfig",
@@ -63,15 +75,20 @@ __all__ = [
     "KafkaConfig",
     "KevConfig",
     "KvCacheConfig",
+    "KvDtype",
     "LimitsConfig",
     "LoggingConfig",
     "Message",
     "MetricsConfig",
+    "OverflowPolicy",
     "Params",
+    "PrefixScope",
     "QuestionEvent",
     "RouterConfig",
+    "RoutingStrategy",
     "SamplingConfig",
     "SchedulerConfig",
+    "SchedulingPolicy",
     "SecurityConfig",
     "TrustConfig",
     "Timings",

@@ -1,14 +1,14 @@
 """The kev.yaml schema: one frozen KevConfig of sections, every key defaulted so `{}` is valid.
 
-Unknown keys are rejected (a typo must not silently fall back to a default).
+This is the one place each knob's name, type and default is declared: the engine's options and the
+CLI read their defaults from `DEFAULT_CONFIG`. Unknown keys are rejected (a typo must not silently
+fall back to a default); schemas/config_validation.py checks a parsed kev.yaml against the schema.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import msgspec
-import msgspec.inspect as mi
 from msgspec import Meta, Struct
 
 from schemas._validation import (
@@ -22,14 +22,26 @@ from schemas._validation import (
     Temperature,
     TopK,
     TopP,
-    explain,
-    show,
-    struct_fields,
 )
+from schemas.routing import RoutingStrategy
 
 Positive = Annotated[int, Meta(ge=1)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
-_MAX_PROBLEMS = 50
+SchedulingPolicy = Literal["fcfs", "shortest_prompt_first", "priority"]  # the order waiting questions are admitted in
+OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to a new question
+PrefixScope = Literal["tenant", "global"]
+KvDtype = Literal["auto", "int8"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the bundled SmolLM2, a built-in of engine/model/loader.py
+EMBEDDED_BROKER = "embedded"  # kafka.bootstrap_servers: start the broker inside Kev
+
+# Short environment names for common keys; `KEV_<SECTION>__<KEY>` sets any key (kev_async/settings.py).
+ENV_SHORTCUTS = {
+    "KEV_TEMPERATURE": ("sampling", "temperature"),
+    "KEV_MODEL": ("core", "model_path"),
+    "KEV_BOOTSTRAP_SERVERS": ("kafka", "bootstrap_servers"),
+    "KEV_LOG_LEVEL": ("logging", "level"),
+}
 
 
 class _Section(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -50,16 +62,16 @@ class DeployConfig(_Section):
 
 
 class RouterConfig(_Section):
-    strategy: Literal["round_robin", "length_aware", "semantic_hash", "consistent_hash"] = "round_robin"
+    strategy: RoutingStrategy = "round_robin"
     max_parallel_queries: Annotated[int, Meta(ge=1, le=4096)] = 32
     channel_pool_size: Positive = 64
-    overflow_policy: Literal["wait", "queue", "reject"] = "queue"
+    overflow_policy: OverflowPolicy = "queue"
     max_waiting: Positive = 1024
 
 
 class IsolationConfig(_Section):
     level: Literal["strict", "shared"] = "strict"
-    prefix_scope: Literal["tenant", "global"] = "tenant"  # who may share a cached prefix (level: shared)
+    prefix_scope: PrefixScope = "tenant"  # who may share a cached prefix (level: shared)
     shared_prefix: str = ""
     deterministic: bool = False
     debug: bool = False
@@ -71,11 +83,11 @@ class KvCacheConfig(_Section):
     num_blocks: Positive | None = None
     memory_budget_bytes: Positive | None = None
     memory_fraction: Fraction = 0.5
-    dtype: Literal["auto", "int8"] = "auto"  # auto: the model's precision; int8: ~4x the tokens per byte
+    dtype: KvDtype = "auto"  # auto: the model's precision; int8: ~4x the tokens per byte
 
 
 class CoreConfig(_Section):
-    model_path: str = "smollm2-135m-instruct"
+    model_path: str = DEFAULT_MODEL
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 on a CPU without bf16 instructions: fp32, logged
     weights: Literal["full", "int8"] = "full"  # int8: weight-only int8 matmuls, per-output-channel scales
     # fp32 on CPU: each matrix also in oneDNN's packed layout, used for 4-96-row products (decode steps,
@@ -89,7 +101,7 @@ class CoreConfig(_Section):
 class SchedulerConfig(_Section):
     batch_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 10.0
     max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048
-    policy: Literal["fcfs", "shortest_prompt_first", "priority"] = "fcfs"
+    policy: SchedulingPolicy = "fcfs"
     length_aware_grouping: bool = False
     early_stop: bool = True
 
@@ -151,7 +163,7 @@ class LimitsConfig(_Section):
 
 
 class KafkaConfig(_Section):
-    bootstrap_servers: str = "embedded"
+    bootstrap_servers: str = EMBEDDED_BROKER
     group_id: str = "kev"
     questions_topic: str = "kev.questions"
     answers_topic: str = "kev.answers"
@@ -247,60 +259,4 @@ class KevConfig(_Section):
     adapters: AdaptersConfig = AdaptersConfig()
 
 
-class ConfigError(Exception):
-    """Every problem found, each as (dotted key path, reason); `source` names the file, if any."""
-
-    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
-        self.problems = list(problems)
-        self.source = source
-        super().__init__(self.problems)
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-    def lines(self) -> list[str]:
-        """One `[source: ]key.path: reason` line per problem."""
-        prefix = f"{self.source}: " if self.source else ""
-        return [prefix + (f"{path}: {reason}" if path else reason) for path, reason in self.problems]
-
-
-def config_from_dict(data: Any) -> KevConfig:
-    """Validate a parsed kev.yaml (or {}) into a KevConfig; raise ConfigError naming every bad key."""
-    if not isinstance(data, dict):
-        raise ConfigError([("", f"expected a mapping of sections at the top level, got {show(data)}")])
-    data = _drop_empty_sections(data, mi.type_info(KevConfig))
-    problems: list[tuple[str, str]] = []
-    while len(problems) < _MAX_PROBLEMS:
-        try:
-            config = msgspec.convert(data, KevConfig)
-            break
-        except msgspec.ValidationError as error:
-            problems.append(explain(error, data, KevConfig))
-            # msgspec stops at the first error; drop that key and look again so one run lists all.
-            if not _remove_key(data, problems[-1][0]):
-                break
-    if problems:
-        raise ConfigError(problems)
-    return config
-
-
-def _remove_key(data: dict, dotted: str) -> bool:
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        data = data.get(key) if isinstance(data, dict) else None
-    if not isinstance(data, dict) or leaf not in data:
-        return False
-    del data[leaf]
-    return True
-
-
-def _drop_empty_sections(data: dict, info: Any) -> dict:
-    # `scheduler:` with every key commented out parses as None; read it as "all defaults".
-    fields = struct_fields(info)
-    out = {}
-    for key, value in data.items():
-        is_section = isinstance(fields.get(key), mi.StructType)
-        if is_section and value is None:
-            continue
-        out[key] = _drop_empty_sections(value, fields[key]) if is_section and isinstance(value, dict) else value
-    return out
+DEFAULT_CONFIG = KevConfig()  # every default, for code that runs without a kev.yaml

@@ -80,6 +80,7 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     priority: Priority = 0  # higher first
     timeout_ms: TimeoutMs | None = None
     stream: bool = False
+    raw: bool = False  # the prompt's own tokens, no chat template: a plain continuation (/v1/completions)
     reply_topic: TopicName | None = None
     schema: int = SCHEMA_VERSION
 
@@ -218,6 +219,9 @@ def _check_prompt(question: QuestionEvent, max_prompt_chars: int) -> None:
         raise invalid("empty_prompt", "prompt: missing; give prompt or messages")
     if question.prompt is not None and question.messages is not None:
         raise invalid("invalid_field", "prompt, messages: give one of them, not both")
+    if question.raw and (question.messages is not None or question.system is not None):
+        raise invalid("invalid_field", "raw: a raw prompt is continued as given; give prompt alone, "
+                                       "without messages or system")
     if question.prompt is not None and not question.prompt.strip():
         raise invalid("empty_prompt", "prompt: empty" if not question.prompt else "prompt: only whitespace")
     if question.messages is not None and not any(m.content.strip() for m in question.messages):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import re
+from typing import Literal, get_args
 
-STRATEGIES = ("round_robin", "length_aware", "semantic_hash", "consistent_hash")
+RoutingStrategy = Literal["round_robin", "length_aware", "semantic_hash", "consistent_hash"]
+STRATEGIES = get_args(RoutingStrategy)
 PREFIX_CHARS = 256  # semantic_hash without a system prompt: this much of the prompt's start is the key
 LENGTH_BOUNDS = (512, 2048)  # length_aware classes, in prompt characters: < 512, < 2048, the rest
 VIRTUAL_NODES = 64  # points per partition on the consistent-hash ring

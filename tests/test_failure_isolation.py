@@ -68,7 +68,7 @@ def test_a_question_whose_text_cannot_be_decoded_ends_alone(model):
     def explode(token_id):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted")
 
-    core._streams["broken"].push = explode  # a fault in exactly one question's detokenizer
+    core.output._streams["broken"].push = explode  # a fault in exactly one question's detokenizer
     answers = run(core)
     assert answers["broken"].finish_reason == "error" and "planted" in answers["broken"].error.message
     assert answers["left"].token_ids == alone and answers["right"].finish_reason == "length"

@@ -167,12 +167,12 @@ def test_dense_mask_is_never_built():
         import json, os, sys, torch
         sys.path.insert(0, sys.argv[1])
         torch.set_num_threads(2)
-        from conftest import Q, build_hf_tiny, kev_model_from_hf, run_core, tiny_options
+        from conftest import SMOLLM2, Q, build_hf_tiny, kev_model_from_hf, run_core, tiny_options
         from transformers import AutoTokenizer
         from engine import EngineCore
         from engine.model.loader import resolve_model_dir
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(SMOLLM2))
         hf = build_hf_tiny("llama", max_position_embeddings=1024)
         model = kev_model_from_hf(hf, tokenizer)
         del hf

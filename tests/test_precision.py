@@ -174,7 +174,7 @@ def test_a_common_key_offset_costs_int8_kv_no_precision(tiny):
 
 def test_config_switches_reach_the_engine(tmp_path):
     from engine import load_model
-    from schemas.config import config_from_dict
+    from schemas.config_validation import config_from_dict
     from serve_fixtures import build_tiny_model_dir
 
     cfg = config_from_dict({"core": {"precision": "bf16", "weights": "int8"}, "kv_cache": {"dtype": "int8"}})

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.adapters.files import FUSED, FusedLora, LoraAdapter
-from engine.deterministic.tiles import TileCheck, tiled_matmul
 
 
 @dataclass
@@ -17,8 +16,9 @@ class LoraBatch:
 
     Per projection: one gather of every adapter row, grouped by adapter and padded to the largest
     group; two batched matmuls in which group g's rows meet only adapter g's weights; one scatter-add.
-    A loop over groups would do the same arithmetic, but on CPU its cost is per-call overhead: the
-    batched form is ~3x faster at 4 adapters x 8 decode rows.
+    A loop over groups would do the same arithmetic, but on CPU its cost is per-call overhead, which
+    the batched form pays once per projection. Deterministic mode's TiledLoraBatch
+    (engine/deterministic/lora.py) takes each adapter alone instead.
     """
 
     layers: list[dict[str, FusedLora]]  # the groups' weights, stacked (see LoraStacks)
@@ -28,7 +28,7 @@ class LoraBatch:
     @classmethod
     def build(cls, spans, device, stacks: "LoraStacks") -> "LoraBatch | None":
         """`spans`: (adapter or None, first row, rows) per chunk; None when no chunk has an adapter."""
-        groups = _group_rows(spans)
+        groups = group_rows(spans)
         if not groups:
             return None
         adapters = tuple(sorted(groups, key=lambda a: a.key))  # one order per mix: the stacks are reused
@@ -51,35 +51,8 @@ class LoraBatch:
         out.index_add_(0, self.rows.flatten(), torch.bmm(shrunk, lora.expand).flatten(0, 1))
 
 
-@dataclass
-class TiledLoraBatch:
-    """Deterministic mode's LoRA: each adapter alone, its rows in fixed tiles (engine/deterministic/tiles.py).
-
-    The batched form above pads every adapter to the mix's largest rank and group, so a row's sums
-    would change length with its neighbours' adapters. Here a row meets only its own adapter's
-    matrices, at their own rank, in ROW_TILE-row tiles: its delta does not depend on the mix.
-    """
-
-    groups: list[tuple[LoraAdapter, torch.Tensor]]  # each adapter and its rows, in a fixed order
-
-    @classmethod
-    def build(cls, spans, device) -> "TiledLoraBatch | None":
-        groups = _group_rows(spans)
-        if not groups:
-            return None
-        for adapter in groups:
-            TileCheck.weights([m.t() for layer in adapter.layers for f in layer.values() for m in (f.shrink, f.expand)])
-        ordered = sorted(groups.items(), key=lambda item: item[0].key)
-        return cls([(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in ordered])
-
-    def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        for adapter, rows in self.groups:
-            lora = adapter.layers[layer].get(projection)
-            if lora is not None:
-                out.index_add_(0, rows, tiled_matmul(tiled_matmul(x[rows], lora.shrink), lora.expand))
-
-
-def _group_rows(spans) -> dict[LoraAdapter, list[int]]:
+def group_rows(spans) -> dict[LoraAdapter, list[int]]:
+    """Each adapter's rows, from (adapter or None, first row, rows) per chunk."""
     groups: dict[LoraAdapter, list[int]] = {}
     for adapter, start, length in spans:
         if adapter is not None:

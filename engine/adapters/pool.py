@@ -31,7 +31,7 @@ class LoraPool:
     holding it and is freed when the last one ends). Not thread-safe: the device thread owns it.
     """
 
-    def __init__(self, model, max_loras: int = 8):
+    def __init__(self, model, max_loras: int):
         self.model = model
         self.max_loras = max_loras
         self._registered: dict[str, tuple[Path, int]] = {}  # name -> (path, current version)

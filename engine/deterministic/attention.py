@@ -1,10 +1,11 @@
 """Attention for deterministic mode: fixed tiles, fixed reduction order, no dependence on neighbours.
 
-A row's role decides its path, never the batch: prompt rows go through `attend_prompt_tiles`
-(queries in ROW_TILE-row tiles), generated-token rows through `FixedDecodes` (one token per
-question, all questions in one batched call). The scheduler never mixes the two roles in a chunk
-and computes generated tokens one per chunk, even when they are recomputed after a preemption, so
-a token's row takes the same path solo, packed, chunked or recomputed.
+`FixedTileAttention` answers TorchAttention's step its own way: a row's role decides its path, never
+the batch. Prompt rows go through `attend_prompt_tiles` (queries in ROW_TILE-row tiles), generated-token
+rows through `FixedDecodes` (one token per question, all questions in one batched call). The
+scheduler never mixes the two roles in a chunk and computes generated tokens one per chunk, even when
+they are recomputed after a preemption, so a token's row takes the same path solo, packed, chunked or
+recomputed.
 
 Both paths read keys from the cache in tiles of KEY_TILE aligned at position 0, so a row meets the
 same tiles whatever else was scheduled. A tile past a row's position is fully masked: it adds exact
@@ -16,10 +17,37 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv.cache import padded_slots
 from engine.deterministic.tiles import ROW_TILE, check_items, pad_rows
+from engine.kernels.attention import Segment, TorchAttention, context_slots
+from engine.kv.cache import KVCache, LayerKV, padded_slots
 
 KEY_TILE = 64  # keys per tile
+
+
+class FixedTileAttention(TorchAttention):
+    """Deterministic mode's attention: keys always read from the cache, in fixed tiles, so a row's bits
+    depend on neither its neighbours nor how its prompt was split into chunks (or recomputed)."""
+
+    name = "torch-fixed-tiles"
+
+    def __init__(self, kv: KVCache):  # not TorchAttention's: the paged decode kernel is neither used nor built
+        self.kv = kv
+        check_fixed_attention(kv.k.shape[-1], kv.compute_dtype, kv.group)
+
+    def is_decode(self, seg: Segment) -> bool:
+        """By role: a generated token always takes the decode path, a prompt row never."""
+        return seg.generated
+
+    def decode_group(self, decodes: list[Segment], device) -> "FixedDecodes":
+        assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"
+        return FixedDecodes(decodes, self.kv.block_size, device)
+
+    def context(self, seg: Segment, device) -> torch.Tensor:
+        """Every prompt chunk reads its keys from the cache, its fresh ones too."""
+        return context_slots(seg.block_ids, seg.kv_len, self.kv.block_size).to(device)
+
+    def attend_prompt(self, q, k, v, cache: LayerKV, ctx: torch.Tensor, seg: Segment) -> torch.Tensor:
+        return attend_prompt_tiles(q, cache, ctx, seg.cached)
 
 
 def check_fixed_attention(head_dim: int, dtype: torch.dtype, group: int) -> None:

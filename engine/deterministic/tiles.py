@@ -8,13 +8,13 @@ batch of independent (ROW_TILE x K) @ (K x N) products, one shape per weight mat
 batch. `TileCheck` proves this on the running CPU and thread count before an engine relies on it;
 a shape that fails the check is computed one tile per call, which is invariant by definition.
 
-fp32 weights with a packed (oneDNN) copy go further where the check allows: oneDNN's packed fp32 kernel
-gave every 16-row tile the same bits alone and inside one call of 32 to 2,048 rows on the Intel Xeon
-it was measured on, and one call of 512 rows is 1.5x faster than 32 batched tiles. So such a weight
-multiplies a step's rows, padded to whole tiles, in a few calls whose row counts come from
-ONE_CALL_ROWS (largest first), if `TileCheck` finds a probe tile's bits unchanged in every tile of a
-call made of probe copies and at the start, middle and end of a call of random rows, at each of those
-row counts, on this CPU and thread count; otherwise it takes the batched tiles above.
+fp32 weights with a packed (oneDNN) copy go further where the check allows: on CPUs where oneDNN's
+packed fp32 kernel gives a 16-row tile the same bits alone and inside a call of many rows, one call
+over many tiles is faster than the same tiles batched. So such a weight multiplies a step's rows,
+padded to whole tiles, in a few calls whose row counts come from ONE_CALL_ROWS (largest first), if
+`TileCheck` finds a probe tile's bits unchanged in every tile of a call made of probe copies and at
+the start, middle and end of a call of random rows, at each of those row counts, on this CPU and
+thread count; otherwise it takes the batched tiles above.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ log = structlog.get_logger("kev.tiles")
 ROW_TILE = 16  # rows of every deterministic matmul tile
 _LOOPED: set[tuple] = set()  # shapes whose batched tiles failed the check here: one call per tile
 # Row counts a packed fp32 weight is checked at and then only called with: a step's rows go out as a sum
-# of them, largest first (as fast as one call, measured). A count whose call would take more than
-# CHECK_MACS multiply-adds is left out (a vocabulary-wide output head stops at 128 rows).
+# of them, largest first, so a few calls cover any step. A count whose call would take more than
+# CHECK_MACS multiply-adds is left out, to keep the start-up check short (a vocabulary-wide output
+# head stops at 128 rows).
 ONE_CALL_ROWS = (2048, 1024, 512, 256, 128, 64, 32, 16)
 CHECK_MACS = 4e9
 _ONE_CALL: dict[tuple, tuple[int, ...]] = {}  # (shape, dtype, threads) -> the row counts checked here

@@ -1,10 +1,11 @@
 """Attention over a packed batch, each question seeing only its own keys.
 
-One interface, two backends: `TorchAttention` (any device; torch SDPA per segment; decodes read the
-block pool in place with engine/kernels/paged_decode.py's kernel on CPU, else grouped and padded for SDPA)
-and `FlashAttention` in engine/kernels/flash.py (CUDA + flash-attn varlen with block tables). Both first write
-the step's new K/V into the question's own cache slots, then attend. No backend ever builds a mask
-over the whole packed batch: masks are per question, or per group of single-token decodes.
+One interface, three backends: `TorchAttention` (any device; torch SDPA per segment; decodes read the
+block pool in place with engine/kernels/paged_decode.py's kernel on CPU, else grouped and padded for SDPA),
+`FlashAttention` in engine/kernels/flash.py (CUDA + flash-attn varlen with block tables) and, for
+deterministic mode, `FixedTileAttention` in engine/deterministic/attention.py. Each first writes the
+step's new K/V into the question's own cache slots, then attends. No backend ever builds a mask over
+the whole packed batch: masks are per question, or per group of single-token decodes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_decode
-from engine.deterministic.attention import FixedDecodes, attend_prompt_tiles, check_fixed_attention
 from engine.kv.cache import KVCache, LayerKV, padded_slots
 
 
@@ -27,7 +27,7 @@ class Segment:
     q_len: int  # rows (new tokens) this step
     kv_len: int  # keys visible to the last row: cached tokens + this step's
     block_ids: tuple[int, ...]  # the question's KV blocks, in order
-    generated: bool = False  # a generated token (not the prompt): deterministic mode attends it as a decode
+    generated: bool = False  # a generated token (not the prompt): FixedTileAttention attends it as a decode
 
     @property
     def cached(self) -> int:
@@ -52,52 +52,49 @@ class TorchAttention:
     """SDPA per question for prompt chunks; all single-token decodes in one padded, masked call.
 
     The decode mask hides each row's padding keys: masked keys add exact zeros, so a question's
-    decode does not depend on its neighbours' lengths. `deterministic=True` swaps in fixed-tile
-    kernels (engine/deterministic/attention.py) that always read keys from the cache: then a row's bits
-    depend on neither its neighbours nor how its prompt was split into chunks (or recomputed).
+    decode does not depend on its neighbours' lengths. A step asks its backend four things (which
+    rows decode, how they attend, which cache slots a prompt chunk reads, how it attends them);
+    FixedTileAttention answers them with fixed-tile kernels.
     """
 
     name = "torch-sdpa"
 
-    def __init__(self, kv: KVCache, deterministic: bool = False):
+    def __init__(self, kv: KVCache):
         self.kv = kv
-        self.deterministic = deterministic
-        if deterministic:
-            check_fixed_attention(kv.k.shape[-1], kv.compute_dtype, kv.group)
         # Decided (and the kernel built or loaded) here, when the engine starts, not at its first decode.
-        self.paged = not deterministic and paged_decode.usable(kv)
+        self.paged = paged_decode.usable(kv)
 
     def prepare(self, segments: list[Segment]) -> "TorchStep":
         return TorchStep(self, segments)
+
+    def is_decode(self, seg: Segment) -> bool:
+        """Single-token rows attend together, whatever their role."""
+        return seg.q_len == 1
+
+    def decode_group(self, decodes: list[Segment], device):
+        if self.paged:  # reads the pool in place: no gather, no padding
+            return paged_decode.PagedDecodes(decodes, self.kv.block_size, device)
+        return _DecodeGroups(decodes, self.kv.block_size, device)
+
+    def context(self, seg: Segment, device) -> torch.Tensor | None:
+        """The cache slots a prompt chunk reads; None when it has no cached prefix (its fresh keys suffice)."""
+        if not seg.cached:
+            return None
+        return context_slots(seg.block_ids, seg.kv_len, self.kv.block_size).to(device)
+
+    def attend_prompt(self, q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segment) -> torch.Tensor:
+        return _attend_segment(q, k, v, cache, ctx, seg)
 
 
 class TorchStep:
     def __init__(self, backend: TorchAttention, segments: list[Segment]):
         kv, device = backend.kv, backend.kv.k.device
-        self.kv = kv
-        self.deterministic, self.paged = backend.deterministic, backend.paged
+        self.kv, self.backend = kv, backend
         self.slots = torch.tensor(slot_mapping(segments, kv.block_size), dtype=torch.long, device=device)
-        # Single-token decodes attend together: chosen by role in deterministic mode (a generated
-        # token always takes the decode path there), else by size.
-        is_decode = [(s.generated if self.deterministic else s.q_len == 1) for s in segments]
+        is_decode = [backend.is_decode(s) for s in segments]
         decodes = [s for s, d in zip(segments, is_decode) if d]
-        self.decode = self._decode_group(decodes, device) if decodes else None
-        # Prompt chunks attend per question; a chunk with no cached prefix can use its fresh keys,
-        # except in deterministic mode, which always reads the cache.
-        self.prompts = [(s, self._context(s, device)) for s, d in zip(segments, is_decode) if not d]
-
-    def _decode_group(self, decodes: list[Segment], device):
-        if not self.deterministic:
-            if self.paged:  # reads the pool in place: no gather, no padding
-                return paged_decode.PagedDecodes(decodes, self.kv.block_size, device)
-            return _DecodeGroups(decodes, self.kv.block_size, device)
-        assert all(s.q_len == 1 for s in decodes), "the scheduler gives generated tokens one per chunk"
-        return FixedDecodes(decodes, self.kv.block_size, device)
-
-    def _context(self, seg: Segment, device) -> torch.Tensor | None:
-        if not (seg.cached or self.deterministic):
-            return None
-        return context_slots(seg.block_ids, seg.kv_len, self.kv.block_size).to(device)
+        self.decode = backend.decode_group(decodes, device) if decodes else None
+        self.prompts = [(s, backend.context(s, device)) for s, d in zip(segments, is_decode) if not d]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.kv.layers[layer]
@@ -111,18 +108,15 @@ class TorchStep:
             out[self.decode.rows] = self.decode.attend(q[self.decode.rows], cache)
         for seg, ctx in self.prompts:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            if self.deterministic:
-                out[rows] = attend_prompt_tiles(q[rows], cache, ctx, seg.cached)
-            else:
-                out[rows] = _attend_segment(q[rows], k[rows], v[rows], cache, ctx, seg)
+            out[rows] = self.backend.attend_prompt(q[rows], k[rows], v[rows], cache, ctx, seg)
         return out
 
 
 def _attend_segment(q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segment) -> torch.Tensor:
     """q: [L, H, D]. With no cached prefix the fresh keys suffice; otherwise read the question's slots.
 
-    SDPA gets 4-D [1, heads, L, D] tensors: on CPU only those reach the fused flash kernel, 3-D ones
-    fall back to the unfused math path (3-4.5x slower on a 1,000-token prompt, measured)."""
+    SDPA gets 4-D [1, heads, L, D] tensors: on CPU only those reach the fused flash kernel; 3-D ones
+    fall back to the unfused math path, several times slower on a long prompt."""
     query = q.transpose(0, 1)[None]
     if ctx is None:
         out = F.scaled_dot_product_attention(query, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -187,8 +181,8 @@ class _DecodeGroup:
         keys = keys.view(shape).transpose(1, 2)  # [B, KVH, L, D]
         values = values.view(shape).transpose(1, 2)
         # The query heads sharing a KV head are folded into the query length ([B, KVH, group, D]): one
-        # token's queries see the same keys, no causal mask applies, and SDPA runs ~20 % faster than
-        # with enable_gqa over [B, H, 1, D].
+        # token's queries see the same keys, no causal mask applies, and SDPA multiplies taller tiles
+        # than with enable_gqa over [B, H, 1, D], which is faster.
         query = q.view(batch, kv_heads, heads // kv_heads, dim)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask)
         return out.reshape(batch, heads, dim)

@@ -2,23 +2,18 @@
 
 bf16: `F.linear` on bf16 CPU tensors hands the weight to oneDNN, which reorders it into its blocked
 layout on every call; at a decode step's few rows that reorder costs about as much as the product
-itself. Reordered once at load, the same kernel gives the same results, faster (bitwise equal to
-F.linear for every shape of SmolLM2 at 1-257 rows; at 1,000 rows one shape differs in its last bits,
-because F.linear picks another blocking there). The 30 layers of SmolLM2-135M took 33.8 -> 21.5 ms at
-8 rows and 64.2 -> 31.6 ms at 64 rows, and its output layer 4.8 -> 2.2 ms at 1 row (2 Sapphire Rapids
-cores).
+itself. A `PackedWeight` is reordered once, at load, and multiplied by the same kernel. Its results
+equal `F.linear`'s at decode-sized row counts; at large ones F.linear may pick another blocking, so
+the last bits can differ.
 
-fp32: `F.linear` goes to MKL, whose small-batch GEMMs are slow for these shapes: all of SmolLM2-135M's
-matmuls in a row (weights streamed from memory, as in a step) took 64-68 ms at 8 rows through MKL and
-38-43 through oneDNN's packed kernel, 88-89 against 68-71 at 32, 50 against 37 at 4; at 1-2 rows MKL
-was faster (26-30 against 30-36) and from ~128 rows on they were level. Whole decode steps, the two
-alternating on one engine: packed 0.89x at 3 rows, 1.16x at 4, 1.21x at 16, 1.16x at 32, 1.03x at 64,
-1.02x at 96. So an fp32 matrix keeps its plain copy too (twice the weight memory; `core.pack_fp32:
-false` declines the packed one) and `linear` picks by row count: PACKED_FP32_ROWS packed, the rest
-plain. The two kernels round differently, so a row's last bits depend on how many rows share the step
-(default mode promises equal greedy tokens, not bits). Deterministic mode multiplies the packed copy in
-calls of the row counts where its start-up check shows the kernel keeps a 16-row tile's bits, else the
-plain copy in batched tiles (engine/deterministic/tiles.py).
+fp32: `F.linear` goes to MKL. For these shapes oneDNN's packed kernel is the faster from a few rows
+to about a hundred; MKL is faster at one to three rows, and above that range the two are level. So an
+fp32 matrix keeps its plain copy too (twice the weight memory; `core.pack_fp32: false` declines the
+packed one) and `linear` picks by row count: PACKED_FP32_ROWS packed, the rest plain. The two kernels
+round differently, so a row's last bits depend on how many rows share the step (default mode promises
+equal greedy tokens, not bits). Deterministic mode multiplies the packed copy in calls of the row
+counts where its start-up check shows the kernel keeps a 16-row tile's bits, else the plain copy in
+batched tiles (engine/deterministic/tiles.py).
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ import torch.nn.functional as F
 from engine.kernels.cpu_features import can_reorder_bf16
 
 PACK_ROWS_HINT = 32  # the row count oneDNN picks its blocking for; any row count works
-PACKED_FP32_ROWS = range(4, 97)  # fp32 row counts where the packed kernel was faster (see above)
+PACKED_FP32_ROWS = range(4, 97)  # fp32 row counts the packed kernel takes; the rest go to MKL (see above)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

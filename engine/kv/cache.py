@@ -11,10 +11,14 @@ of a query, which softmax ignores, and the rounding step shrinks. Backends read 
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
+from schemas import DEFAULT_CONFIG, KvDtype
+
 MIB = 1 << 20
-KV_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: quantised per token and head
+KV_DTYPES = get_args(KvDtype)  # auto: the model's dtype; int8: quantised per token and head
 # fp16 scales: 11 significant bits (far finer than the int8 step they scale) in 2 bytes, so a head of
 # 16 values still fits 3.5x the tokens of fp32 per byte (64 values: 3.9x).
 SCALE_DTYPE = torch.float16
@@ -127,7 +131,8 @@ class KVCache:
 
 def plan_num_blocks(spec, dtype: torch.dtype, device: torch.device, block_size: int, *,
                     num_blocks: int | None = None, budget_bytes: int | None = None,
-                    memory_fraction: float = 0.5, cpu_default_bytes: int = 512 * MIB) -> int:
+                    memory_fraction: float = DEFAULT_CONFIG.kv_cache.memory_fraction,
+                    cpu_default_bytes: int = 512 * MIB) -> int:
     """How many blocks the pool gets: as configured, from a byte budget, or from free device memory.
 
     `dtype` is the cache's storage dtype (int8 counts its scales too)."""

@@ -30,13 +30,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); `weight` is a tensor, an Int8Weight (weight-only int8) or a PackedWeight."""
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    return weight.linear(x, bias)
-
-
 def embed(table, ids: torch.Tensor) -> torch.Tensor:
     """Rows of an embedding table, a tensor or an Int8Weight (dequantised on lookup)."""
     return table.rows(ids) if isinstance(table, Int8Weight) else table[ids]

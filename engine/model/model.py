@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 
+from engine.deterministic.mode import math_mode
 from engine.kernels.cpu_features import compute_dtype
+from engine.kernels.paged_decode import kernel
+from engine.kv.cache import kv_bytes_per_token
 from engine.model.key_means import key_means
 from engine.model.loader import resolve_model_dir
 from engine.model.transformer import Transformer
@@ -42,8 +45,6 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes per token for a storage dtype (int8 includes its per-head scales)."""
-        from engine.kv.cache import kv_bytes_per_token
-
         return kv_bytes_per_token(self, dtype)
 
 
@@ -79,7 +80,7 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     `pack_fp32`: on CPU, fp32 matrices also get a oneDNN-packed copy for decode-sized products
     (engine/kernels/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a model is loaded
 
     path = resolve_model_dir(source)
     config = AutoConfig.from_pretrained(path)
@@ -90,12 +91,10 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
-                                            deterministic=deterministic, int8=weight_format == "int8",
+                                            mode=math_mode(deterministic), int8=weight_format == "int8",
                                             pack_fp32=pack_fp32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
-        from engine.kernels.paged_decode import kernel
-
         kernel()
     return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)
 
@@ -126,7 +125,7 @@ def spec_from_config(config) -> ModelSpec:
 
 def rope_tables(config, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position, in float32, computed exactly as transformers does (llama3 scaling too)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # seconds to import: only at model load
 
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))

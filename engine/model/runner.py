@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.attention import Segment, TorchAttention
+from engine.adapters.lora import LoraStacks
+from engine.kernels.attention import Segment
 from engine.kv.cache import KVCache
-from engine.adapters.lora import LoraBatch, LoraStacks, TiledLoraBatch
 from engine.model.sampler import Sampler, SampleRow
-from engine.schedule.scheduler import StepPlan
+from engine.schedule.step_plan import StepPlan
 
 
 @dataclass
@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model
         self.weights = weights or model.weights
         self.kv = kv
-        self.attention = attention or TorchAttention(kv, deterministic=self.weights.deterministic)
+        self.attention = attention or self.weights.mode.attention(kv)
         self.sampler = sampler or Sampler()
         self.device = model.device
         self.lora_stacks = LoraStacks(model.dtype)
@@ -49,8 +49,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         attend = self.attention.prepare(segments)
         spans = [(c.seq.lora, s.q_start, s.q_len) for s, c in zip(segments, plan.chunks)]
-        lora = (TiledLoraBatch.build(spans, self.device) if self.weights.deterministic
-                else LoraBatch.build(spans, self.device, self.lora_stacks))
+        lora = self.weights.mode.lora_batch(spans, self.device, self.lora_stacks)
         # Without adapters the call is exactly the base one: no LoRA argument, no LoRA work.
         hidden = (self.weights.forward(ids, pos, attend) if lora is None
                   else self.weights.forward(ids, pos, attend, lora=lora))

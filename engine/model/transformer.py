@@ -9,21 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from engine.model.layers import apply_rope, embed, linear, rms_norm, signed_sin
+from engine.deterministic.mode import FAST, MathMode
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
-from engine.deterministic.tiles import TileCheck, tiled_linear
-
-if TYPE_CHECKING:
-    from engine.adapters.lora import LoraBatch
+from engine.model.layers import apply_rope, embed, rms_norm, signed_sin
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LoraRows(Protocol):
+    """One forward's adapters and their rows, as MathMode.lora_batch builds them (a LoraBatch, or a
+    TiledLoraBatch in deterministic mode)."""
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows] += each adapter's delta on x[rows], for its own rows only."""
 
 
 @dataclass
@@ -50,23 +56,22 @@ def _unpacked(matrix):
 
 class Transformer:
     def __init__(self, spec, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], deterministic: bool = False):
+                 lm_head: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mode: MathMode = FAST):
         self.spec = spec
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.cos, self.sin_signed = rope[0], signed_sin(rope[1])  # the plain sine is not needed after this
-        self.set_deterministic(deterministic)
+        self.use(mode)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
-    def set_deterministic(self, on: bool) -> None:
-        """Fixed row tiles for every matmul: a row's logits no longer depend on the batch (slower)."""
-        self.deterministic = on
-        self.linear = tiled_linear if on else linear
-        if on:  # prove the fixed tiles batch-invariant on this CPU before relying on them
-            TileCheck.weights(self.matrices())
+    def use(self, mode: MathMode) -> None:
+        """Compute with `mode`'s kernels (engine/deterministic/mode.py), once it has checked these weights."""
+        mode.check(self.matrices())
+        self.mode = mode
+        self.linear = mode.linear
 
     def matrices(self) -> list:
         """Every weight matrix a forward multiplies by (tensors, or Int8Weight when quantised)."""
@@ -107,20 +112,18 @@ class Transformer:
         self.lm_head = PackedWeight(self.lm_head)
 
     @classmethod
-    def from_safetensors(cls, spec, path: Path, rope, device, dtype, deterministic=False,
+    def from_safetensors(cls, spec, path: Path, rope, device, dtype, mode: MathMode = FAST,
                          int8: bool = False, pack_fp32: bool = True) -> "Transformer":
-        from safetensors.torch import load_file
-
         raw: dict[str, torch.Tensor] = {}
         for file in sorted(path.glob("*.safetensors")):
             raw.update(load_file(str(file)))
         if not raw:
             raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-        return cls.from_state_dict(spec, raw, rope, device, dtype, deterministic, int8, pack_fp32)
+        return cls.from_state_dict(spec, raw, rope, device, dtype, mode, int8, pack_fp32)
 
     @classmethod
     def from_state_dict(cls, spec, raw: dict[str, torch.Tensor], rope, device, dtype,
-                        deterministic=False, int8: bool = False, pack_fp32: bool = True) -> "Transformer":
+                        mode: MathMode = FAST, int8: bool = False, pack_fp32: bool = True) -> "Transformer":
         def get(name: str) -> torch.Tensor:
             if name not in raw:
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
@@ -135,11 +138,11 @@ class Transformer:
             model.quantize_int8()
         elif can_pack(dtype, device) and (pack_fp32 or dtype != torch.float32):
             model.pack_weights()
-        model.set_deterministic(deterministic)  # after quantising: the tile check sees the real kernels
+        model.use(mode)  # after quantising: the mode's check sees the real kernels
         return model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
-                lora: LoraBatch | None = None) -> torch.Tensor:
+                lora: LoraRows | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] for the flat tokens `input_ids` at their own `positions`.
 
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
@@ -155,7 +158,7 @@ class Transformer:
         """Logits only for the rows that draw a token; prompt rows never reach the output layer."""
         return self.linear(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
 
-    def _project(self, x, weight, lora: LoraBatch | None, index: int, name: str, bias=None) -> torch.Tensor:
+    def _project(self, x, weight, lora: LoraRows | None, index: int, name: str, bias=None) -> torch.Tensor:
         out = self.linear(x, weight, bias)
         if lora is not None:
             lora.add(index, name, x, out)

@@ -1,1 +1,1 @@
-"""From sampled tokens to answers: detokenizing with stop strings."""
+"""From sampled tokens to answers: detokenizing, answer events, and the handles async callers wait on."""

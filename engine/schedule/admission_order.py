@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from engine.schedule.sequence import Sequence, Status
+from schemas import SchedulingPolicy
 
-ORDER: dict[str, Callable[[Sequence], tuple]] = {
+ORDER: dict[SchedulingPolicy, Callable[[Sequence], tuple]] = {
     # Preempted questions go first in every policy: they already waited once.
     "fcfs": lambda s: (s.status != Status.PREEMPTED, s.arrival),
     "shortest_prompt_first": lambda s: (s.status != Status.PREEMPTED, s.num_tokens, s.arrival),
@@ -18,7 +19,7 @@ ORDER: dict[str, Callable[[Sequence], tuple]] = {
 }
 
 
-def admission_order(waiting: list[Sequence], running: list[Sequence], policy: str,
+def admission_order(waiting: list[Sequence], running: list[Sequence], policy: SchedulingPolicy,
                     length_aware: bool) -> Iterator[Sequence]:
     """`waiting` in the policy's order; length-aware, nearest the batch's first question's length first.
 
@@ -34,7 +35,8 @@ def admission_order(waiting: list[Sequence], running: list[Sequence], policy: st
         yield order[i]
 
 
-def _ordered(seqs: list[Sequence], running: list[Sequence], policy: str, length_aware: bool) -> list[Sequence]:
+def _ordered(seqs: list[Sequence], running: list[Sequence], policy: SchedulingPolicy,
+             length_aware: bool) -> list[Sequence]:
     key = ORDER[policy]
     if length_aware and running:
         anchor = running[0].num_tokens.bit_length()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 
-from schemas.routing import STRATEGIES, HashRing, affinity_key, kafka_partition, prefix_key
+from schemas.routing import STRATEGIES, HashRing, RoutingStrategy, affinity_key, kafka_partition, prefix_key
 
 __all__ = ["STRATEGIES", "Router", "jump_hash"]
 
 
 class Router:
-    def __init__(self, strategy: str = "round_robin", buckets: int = 64):
+    def __init__(self, strategy: RoutingStrategy, buckets: int):
         if strategy not in STRATEGIES:
             raise ValueError(f"router.strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         self.strategy = strategy

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
-from engine.schedule.admission_order import admission_order
 from engine.kv.block_pool import BlockPool
-from engine.schedule.prefix_chain import awaits_prefix, blocks_in_flight, cached_blocks, name_filled_blocks, shared_chain
+from engine.schedule.admission_order import admission_order
+from engine.schedule.limits import SchedulerLimits
+from engine.schedule.prefix_chain import (
+    awaits_prefix,
+    blocks_in_flight,
+    cached_blocks,
+    name_filled_blocks,
+    shared_chain,
+)
 from engine.schedule.sequence import Sequence, Status
-
-Policy = Literal["fcfs", "shortest_prompt_first", "priority"]
-OverflowPolicy = Literal["wait", "queue", "reject"]
+from engine.schedule.step_plan import Chunk, StepPlan
 
 
 class Overloaded(Exception):
@@ -25,59 +29,6 @@ class Overloaded(Exception):
 
 class PromptTooLong(ValueError):
     """The prompt alone does not fit one question's context or KV capacity."""
-
-
-@dataclass
-class Chunk:
-    """One question's share of a step: tokens [start, start + length) of its sequence."""
-
-    seq: Sequence
-    start: int  # tokens already in this question's cache; also its first position this step
-    length: int  # tokens computed this step (1 for a decode)
-    sample: bool  # True when the chunk reaches the end of the known tokens, so a next token is drawn
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.length]
-
-
-@dataclass
-class StepPlan:
-    """Everything the runner needs for one packed forward; it sees nothing else."""
-
-    chunks: list[Chunk] = field(default_factory=list)  # flat-token order: chunk i's tokens follow chunk i-1's
-    preempted: list[Sequence] = field(default_factory=list)  # evicted this step; they will recompute later
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
-
-    @property
-    def sampled_chunks(self) -> list[Chunk]:
-        return [c for c in self.chunks if c.sample]
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks)
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_running: int = 32  # questions in the batch at once ("max_parallel_queries")
-    max_tokens_per_step: int = 2048  # prompt tokens + decode tokens in one forward (chunked prefill)
-    max_context: int = 2048  # positions a question may reach, prompt included
-    capacity_tokens: int | None = None  # KV tokens one question may hold ("kv_slot_capacity")
-    max_waiting: int = 1024  # bounded waiting queue
-    batch_window_s: float = 0.010  # wait this long for company when the batch is empty
-    policy: Policy = "fcfs"
-    overflow: OverflowPolicy = "queue"
-    length_aware: bool = False  # admit questions of similar prompt length together
-    early_stop: bool = True  # evict finished questions at once (False keeps them until the batch drains)
-    # Deterministic mode: a chunk never mixes prompt and generated tokens, and generated tokens go one
-    # per chunk (also when recomputed after a preemption), so each token's row always takes one path.
-    split_roles: bool = False
-    # A question that does not fit lets later ones that do go first, at most this many times; then
-    # admission waits for it (room for small questions, no starvation of a big one).
-    max_overtakes: int = 16
 
 
 class Scheduler:

@@ -6,6 +6,10 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from schemas import DEFAULT_CONFIG
+
+_SAMPLING = DEFAULT_CONFIG.sampling
+
 
 class Status(IntEnum):
     """Ordered so that `status >= Status.STOPPED` means finished."""
@@ -39,13 +43,14 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Fully resolved sampling settings: no field means "use a default" any more."""
+    """Fully resolved sampling settings: no field means "use a default" any more. The engine sets every
+    field (engine/defaults.py); one built by hand gets kev.yaml's `sampling` defaults."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
+    max_new_tokens: int = _SAMPLING.max_new_tokens
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k
+    repetition_penalty: float = _SAMPLING.repetition_penalty
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -10,7 +10,8 @@ pytest.importorskip("flash_attn", reason="needs flash-attn: pip install 'kev[gpu
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine import EngineCore, EngineOptions  # noqa: E402
-from engine.kernels.attention import Segment, TorchAttention  # noqa: E402
+from engine.deterministic.attention import FixedTileAttention  # noqa: E402
+from engine.kernels.attention import Segment  # noqa: E402
 from engine.kernels.flash import FlashAttention, flash_available  # noqa: E402
 from engine.kv.cache import KVCache  # noqa: E402
 from engine.model.model import Model, rope_tables, spec_from_config  # noqa: E402
@@ -54,7 +55,7 @@ def test_flash_matches_torch_sdpa(q_lens, cached):
     k = torch.randn(row, spec.num_kv_heads, spec.head_dim, device=CUDA, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     flash = FlashAttention(kv).prepare(segments)(0, q, k, v)
-    reference = TorchAttention(kv, deterministic=True).prepare(segments)(0, q, k, v)
+    reference = FixedTileAttention(kv).prepare(segments)(0, q, k, v)
     assert (flash.float() - reference.float()).abs().max() < 2e-2
 
 

@@ -1,0 +1,66 @@
+"""MathMode: the kernels a forward computes with, chosen once per engine by `math_mode(deterministic)`.
+
+The model code asks its mode for a matmul (`linear`), an attention backend over a KV cache, a LoRA
+batch and a start-up check of its weights, and never tests the mode itself. `FAST` takes the quickest
+kernel for each shape; `DETERMINISTIC` (isolation.deterministic) takes fixed-tile kernels whose
+results for a row do not depend on what else shares the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.adapters.lora import LoraBatch, LoraStacks
+from engine.deterministic.attention import FixedTileAttention
+from engine.deterministic.lora import TiledLoraBatch
+from engine.deterministic.tiles import TileCheck, tiled_linear
+from engine.kernels.attention import TorchAttention
+from engine.kv.cache import KVCache
+
+
+class MathMode:
+    """Default mode: the fastest kernel for each shape. A row's last bits may depend on how many rows
+    share its forward (kernels pick their blocking by shape); greedy tokens match a solo run."""
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias); `weight` is a tensor, an Int8Weight (weight-only int8) or a PackedWeight."""
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return weight.linear(x, bias)
+
+    def check(self, matrices: list) -> None:
+        """Prove, before serving, that this CPU computes `matrices` as the mode promises."""
+
+    def attention(self, kv: KVCache) -> TorchAttention:
+        """The attention backend on devices without flash-attn."""
+        return TorchAttention(kv)
+
+    def lora_batch(self, spans, device, stacks: LoraStacks):
+        """The step's adapters and their rows; `spans`: (adapter or None, first row, rows) per chunk."""
+        return LoraBatch.build(spans, device, stacks)
+
+
+class DeterministicMode(MathMode):
+    """Batch-invariant: every matmul in fixed row tiles, attention in fixed tiles read from the cache,
+    each adapter's LoRA alone in tiles. A row's logits are bitwise the same whatever shares its
+    forward, however its prompt was chunked; slower."""
+
+    linear = staticmethod(tiled_linear)
+
+    def check(self, matrices: list) -> None:
+        TileCheck.weights(matrices)
+
+    def attention(self, kv: KVCache) -> FixedTileAttention:
+        return FixedTileAttention(kv)
+
+    def lora_batch(self, spans, device, stacks: LoraStacks):
+        return TiledLoraBatch.build(spans, device)
+
+
+FAST, DETERMINISTIC = MathMode(), DeterministicMode()
+
+
+def math_mode(deterministic: bool) -> MathMode:
+    return DETERMINISTIC if deterministic else FAST

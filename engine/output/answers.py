@@ -1,0 +1,64 @@
+"""AnswerEvents: a finished question's text, tokens, usage, timings and audit, or an error answer."""
+
+from __future__ import annotations
+
+from engine.intake import QuestionRejected
+from engine.output.detokenizer import TextStream
+from engine.schedule.sequence import Sequence, Status
+from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
+
+
+def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, worker: str) -> AnswerEvent:
+    """The answer of a question that ended in the engine; `stream` has had its last token."""
+    # A stop string's tokens are not part of the answer: token_ids and usage count what `text` keeps.
+    output_ids = tuple(seq.output_ids[:stream.kept_tokens] if stream.stopped else seq.output_ids)
+    return AnswerEvent(
+        question_id=seq.question_id,
+        request_id=question.request_id,
+        error=_error(seq),
+        text=stream.text,
+        token_ids=output_ids,
+        finish_reason=seq.status.finish_reason,
+        usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids),
+                    cached_prompt_tokens=seq.cached_prompt_tokens),
+        timings=_timings(seq),
+        audit=Audit(worker=worker, channel=seq.channel, blocks=seq.audit_blocks,
+                    steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
+                    routing_bucket=seq.routing_bucket,
+                    defaults_version=seq.params.defaults_version,
+                    cached_prompt_tokens=seq.cached_prompt_tokens),
+    )
+
+
+def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:
+    """The error answer of a question that never ran."""
+    return error_answer(question.question_id, question.request_id, exc.code, exc.message)
+
+
+def _error(seq: Sequence) -> ErrorInfo | None:
+    if seq.status == Status.ERROR:
+        return ErrorInfo("internal_error", seq.error or "")
+    if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty
+        return ErrorInfo("deadline_expired", seq.error)
+    return None
+
+
+def _timings(seq: Sequence) -> Timings:
+    """Milliseconds from when the question reached this worker (`arrival`), not from its publish time:
+    queued_ms until it was first admitted to the batch (0 if never), ttft_ms until its first token,
+    e2e_ms until it ended. Its deadline, unlike these, counts from the publish time."""
+
+    def ms(t):
+        return None if t is None else round((t - seq.arrival) * 1000, 3)
+
+    return Timings(queued_ms=ms(seq.admitted_at) or 0.0, ttft_ms=ms(seq.first_token_at),
+                   e2e_ms=ms(seq.finished_at) or 0.0)
+
+
+def _compact(sizes: list[int]) -> tuple[int, ...]:
+    """Batch sizes seen, one entry per change, so a long answer's audit stays short."""
+    out: list[int] = []
+    for size in sizes:
+        if not out or out[-1] != size:
+            out.append(size)
+    return tuple(out)
