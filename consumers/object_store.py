@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 import anyio
+import platformdirs
 import structlog
 
 log = structlog.get_logger("kev.consumers.object_store")
@@ -47,8 +48,6 @@ def default_data_dir() -> Path:
     configured = os.environ.get("KEV_CACHE_DIR")
     if configured:
         return Path(configured) / "broker"
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("kev")) / "broker"
 
 

@@ -6,7 +6,7 @@ Any producer may use it (`kev route` does, so may the gateway or a client):
     await producer.send(topic, value, key=question_id.encode(), partition=partitioner.partition(question))
 
 The record key stays the question id (answers are keyed by it too); the partition is explicit.
-Every rule is in `schemas.routing` and written out in the README, so a client in another language
+Every rule is in `schemas.routing` and written out in docs/scale-out.md, so a client in another language
 gets the same partition. One consumer group member owns each partition, so "same partition" means
 "same worker" until a rebalance.
 """

@@ -24,7 +24,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_audit, run_control_reader
 from engine import Engine, EngineOptions, load_model
 from engine.model.loader import cache_dir
-from kev_async.engine_actor import Cancel, LoadAdapter, UnloadAdapter, UpdateDefaults, engine_actor
+from kev_async.engine_actor import engine_actor
+from kev_async.engine_messages import Cancel, LoadAdapter, UnloadAdapter, UpdateDefaults
 from kev_async.engine_state import ControlState
 from kev_async.kafka_loop import KafkaLoopWatch
 from kev_async.observe.metrics import Metrics

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 import structlog
+import torch
 
 from consumers import EMBEDDED, EmbeddedBroker, ensure_topics
 from schemas import KevConfig
@@ -91,8 +92,6 @@ def visible_gpus(device: str) -> list[str]:
     """GPU ids a worker may be pinned to: those CUDA_VISIBLE_DEVICES allows, else torch's count; none on CPU."""
     if device not in ("auto", "cuda") and not device.startswith("cuda"):
         return []
-    import torch
-
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return (listed or [str(i) for i in range(count)])[:count] if count else []

@@ -1,5 +1,6 @@
-"""Helpers for the `kev serve` / `kev demo` tests: a tiny model directory, `kev` subprocesses, an
-answers reader that runs in the background.
+"""Helpers for the `kev serve` / `kev demo` tests: a tiny model directory, `kev` subprocesses (their
+settings, their log lines, waiting for their partitions), an answers reader that runs in the background,
+and raw requests to a worker's metrics endpoint.
 
 Load with `pytest_plugins = ["kafka_fixtures", "serve_fixtures"]`.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import anyio
@@ -20,10 +22,17 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from consumers.broker import EMBEDDED_FETCH_WAIT_MS
-from schemas import AnswerEvent, decode_answer
+from kev_async.drill.checks import log_events as parse_log_events
+from schemas import DEFAULT_MODEL, AnswerEvent, KafkaConfig, decode_answer
 
 ROOT = Path(__file__).resolve().parent.parent
 KEV = Path(sys.executable).with_name("kev")  # the venv's console script
+# Generous but bounded: a `kev` child imports torch and transformers (seconds on a loaded 2-core box),
+# then joins its group (Tansu holds a new group about half a session timeout before assigning).
+STARTUP_TIMEOUT = 90.0
+# Against a broker it did not start, `serve` keeps aiokafka's 10 s session unless told otherwise; 3 s cuts
+# Tansu's waits (first assignment, noticing a dead member) to a few seconds.
+FAST_SESSION = {"KEV_KAFKA_SESSION_TIMEOUT_MS": "3000"}
 
 
 def build_tiny_model_dir(path: Path) -> Path:
@@ -40,7 +49,7 @@ def build_tiny_model_dir(path: Path) -> Path:
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
     tokenizer.save_pretrained(path)
     return path
 
@@ -66,6 +75,15 @@ def kev_env(**config: str) -> dict[str, str]:
                 "PYTHONUNBUFFERED": "1"})
     env.update(config)
     return env
+
+
+def serve_env(k: KafkaConfig, **extra: str) -> dict[str, str]:
+    """KEV_* settings for a `kev serve` child on KafkaConfig `k`'s topics and group (bootstrap by flag)."""
+    return kev_env(KEV_KAFKA__GROUP_ID=k.group_id, KEV_KAFKA__QUESTIONS_TOPIC=k.questions_topic,
+                   KEV_KAFKA__ANSWERS_TOPIC=k.answers_topic, KEV_KAFKA__DELTAS_TOPIC=k.deltas_topic,
+                   KEV_KAFKA__DLQ_TOPIC=k.dlq_topic, KEV_KAFKA__CONTROL_TOPIC=k.control_topic,
+                   KEV_KAFKA__PARTITIONS=str(k.partitions), KEV_KAFKA__COMMIT_INTERVAL_MS="200",
+                   KEV_KV_CACHE__NUM_BLOCKS="512", **FAST_SESSION, **extra)
 
 
 class KevProcess:
@@ -120,6 +138,34 @@ def kev_processes() -> Iterator[list[KevProcess]]:
             child.kill()
 
 
+def log_events(process: KevProcess, event: str) -> list[dict]:
+    """The child's JSON log lines whose event is `event`."""
+    return parse_log_events(process.log(), event)
+
+
+async def wait_log(process: KevProcess, event: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not log_events(process, event):
+        assert process.running(), f"exited before {event!r}: {process.describe()}"
+        assert time.monotonic() < deadline, f"no {event!r} after {timeout}s: {process.describe()}"
+        await anyio.sleep(0.1)
+
+
+async def wait_assigned(children: Iterable[KevProcess], timeout: float = STARTUP_TIMEOUT) -> None:
+    """Until every child holds partitions: each has logged an assignment, and its latest one is not empty
+    (a rebalance, as the next child joins, may have taken them all back)."""
+    for child in children:
+        await wait_log(child, "partitions_assigned", timeout)
+    with anyio.fail_after(timeout):
+        while not all(_assigned_now(child) for child in children):
+            await anyio.sleep(0.1)
+
+
+def _assigned_now(process: KevProcess) -> bool:
+    assigned = log_events(process, "partitions_assigned")
+    return bool(assigned and assigned[-1].get("partitions"))
+
+
 # -- reading answers as they arrive --------------------------------------------------------------------
 
 class AnswerReader:
@@ -170,3 +216,28 @@ class AnswerReader:
             while len(self.question_ids()) < count:
                 await self._changed.wait()
         assert len(self.question_ids()) >= count, f"{len(self.question_ids())} answered after {timeout}s"
+
+
+# -- a worker's metrics endpoint -----------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_get(port: int, path: str = "/metrics", method: str = "GET") -> tuple[int, dict[str, str], str]:
+    """(status, headers by lower-case name, body) of one raw HTTP/1.0 request: the endpoint closes the
+    connection after it."""
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(f"{method} {path} HTTP/1.0\r\nHost: test\r\n\r\n".encode())
+        raw = b""
+        try:
+            while True:
+                raw += await stream.receive()
+        except anyio.EndOfStream:
+            pass
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in header_lines)}
+    return int(status_line.split()[1]), headers, body.decode()

@@ -4,13 +4,12 @@ The records of issue 26, interleaved with good questions on both partitions: an 
 characters, a new reply topic, a 300,000-character prompt, unsigned and forged control commands,
 forged tenant and priority, duplicate ids, a question that expired in the queue, bytes that are not
 JSON. Each good question is answered exactly once, each hostile record ends in its documented
-outcome (README, "Reliability and trust"), and both workers are still consuming afterwards.
+outcome (docs/reliability.md), and both workers are still consuming afterwards.
 """
 
 from __future__ import annotations
 
 import signal
-import socket
 import time
 import urllib.request
 from collections import Counter
@@ -22,8 +21,15 @@ from aiokafka import AIOKafkaProducer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import kafka_config, read_topic  # noqa: E402
-from serve_fixtures import AnswerReader, KevProcess, kev_processes  # noqa: E402
-from test_serve import STARTUP_TIMEOUT, _assigned_now, log_events, serve_env, wait_log  # noqa: E402
+from serve_fixtures import (  # noqa: E402
+    AnswerReader,
+    KevProcess,
+    free_port,
+    kev_processes,
+    log_events,
+    serve_env,
+    wait_assigned,
+)
 
 from consumers import create_topics, topic_plan  # noqa: E402
 from consumers.control import control_record  # noqa: E402
@@ -46,12 +52,6 @@ def anyio_backend():
 def event(question_id: str, prompt: str = "Tell me about the sea.", max_new_tokens: int = 6, **fields) -> bytes:
     return msgspec.json.encode({"question_id": question_id, "prompt": prompt,
                                 "params": {"max_new_tokens": max_new_tokens}, **fields})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def health(port: int) -> int:
@@ -125,11 +125,7 @@ async def test_hostile_records_end_in_their_outcome_and_both_workers_keep_consum
                 env = serve_env(kafka, KEV_METRICS__PORT=str(port), **trust_env)
                 children.append(KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers",
                                             kafka.bootstrap_servers], env, tmp_path / f"serve-{name}.log"))
-            for child in children:
-                await wait_log(child, "partitions_assigned", STARTUP_TIMEOUT)
-            with anyio.fail_after(STARTUP_TIMEOUT):
-                while not all(_assigned_now(child) for child in children):
-                    await anyio.sleep(0.1)
+            await wait_assigned(children)
 
             # Unsigned and forged commands that would cut every answer to one token, and cancel a good one.
             cut = ControlEvent(action="update_defaults", defaults={"max_new_tokens": 1})

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import anyio
@@ -61,7 +60,15 @@ from kafka_fixtures import (  # noqa: E402
     wait_committed,
     wait_until,
 )
-from serve_fixtures import KevProcess, kev_env, kev_processes  # noqa: E402
+from serve_fixtures import (  # noqa: E402
+    KevProcess,
+    free_port,
+    http_get,
+    kev_processes,
+    log_events,
+    serve_env,
+    wait_log,
+)
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
 pytestmark = [pytest.mark.kafka, pytest.mark.anyio]
@@ -74,28 +81,9 @@ def anyio_backend():
     return "asyncio"  # aiokafka is asyncio-only
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def http_get(port: int, path: str) -> bytes:
-    """The whole raw HTTP/1.0 response (the metrics endpoint closes the connection after it)."""
-    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(f"GET {path} HTTP/1.0\r\n\r\n".encode())
-        raw = b""
-        try:
-            while True:
-                raw += await stream.receive()
-        except anyio.EndOfStream:
-            pass
-    return raw
-
-
 async def health(port: int) -> tuple[int, bytes]:
-    head, _, body = (await http_get(port, "/health")).partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    status, _, body = await http_get(port, "/health")
+    return status, body.encode()
 
 
 class BigAnswerEngine(StandInEngine):
@@ -402,20 +390,6 @@ async def test_a_broker_that_stays_away_ends_the_worker_publish_retry_s_after_th
 
 # -- `kev serve` ----------------------------------------------------------------------------------------
 
-def serve_env(kafka, **extra: str) -> dict[str, str]:
-    return kev_env(KEV_KAFKA__GROUP_ID=kafka.group_id, KEV_KAFKA__QUESTIONS_TOPIC=kafka.questions_topic,
-                   KEV_KAFKA__ANSWERS_TOPIC=kafka.answers_topic, KEV_KAFKA__DELTAS_TOPIC=kafka.deltas_topic,
-                   KEV_KAFKA__DLQ_TOPIC=kafka.dlq_topic, KEV_KAFKA__CONTROL_TOPIC=kafka.control_topic,
-                   KEV_KAFKA__PARTITIONS=str(kafka.partitions), KEV_KAFKA__COMMIT_INTERVAL_MS="200",
-                   KEV_KV_CACHE__NUM_BLOCKS="512", KEV_KAFKA_SESSION_TIMEOUT_MS="3000", **extra)
-
-
-def log_events(process: KevProcess, event: str) -> list[dict]:
-    from kev_async.drill_checks import log_events as parse
-
-    return parse(process.log(), event)
-
-
 async def test_kev_serve_goes_on_after_an_oversized_answer_and_a_900_kb_request_id(kafka_broker, tiny_model_dir,
                                                                                  tmp_path):
     kafka = kafka_config(kafka_broker, partitions=1)
@@ -457,10 +431,8 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
             kev = KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers",
                               broker.bootstrap_servers], env, tmp_path / "serve.log")
             children.append(kev)
+            await wait_log(kev, "partitions_assigned", 90)
             with anyio.fail_after(90):
-                while not log_events(kev, "partitions_assigned"):
-                    assert kev.running(), kev.describe()
-                    await anyio.sleep(0.1)
                 while (await health(port))[0] != 200:
                     await anyio.sleep(0.1)
             await produce(broker.bootstrap_servers, kafka.questions_topic,
@@ -482,7 +454,7 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
 
 
 async def _scrape(port: int) -> str:
-    return (await http_get(port, "/metrics")).decode()
+    return (await http_get(port, "/metrics"))[2]
 
 
 def _in_flight(metrics_text: str) -> bool:

@@ -23,7 +23,17 @@ from aiokafka import AIOKafkaProducer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import committed, kafka_config, read_topic  # noqa: E402
-from serve_fixtures import AnswerReader, KevProcess, kev_env, kev_processes  # noqa: E402
+from serve_fixtures import (  # noqa: E402
+    FAST_SESSION,
+    STARTUP_TIMEOUT,
+    AnswerReader,
+    KevProcess,
+    kev_env,
+    kev_processes,
+    log_events,
+    serve_env,
+    wait_assigned,
+)
 
 from consumers import create_topics, topic_plan  # noqa: E402
 from consumers.messages import HEADER_QUESTION_ID  # noqa: E402
@@ -32,13 +42,7 @@ from schemas import KevConfig, decode_answer  # noqa: E402
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
 pytestmark = pytest.mark.anyio
 
-# Generous but bounded: a `kev` child imports torch and transformers (seconds on a loaded 2-core box),
-# then joins its group (Tansu holds a new group about half a session timeout before assigning).
-STARTUP_TIMEOUT = 90.0
 ANSWER_TIMEOUT = 60.0
-# Against a broker it did not start, `serve` keeps aiokafka's 10 s session unless told otherwise; 3 s cuts
-# Tansu's waits (first assignment, noticing a dead member) to a few seconds.
-FAST_SESSION = {"KEV_KAFKA_SESSION_TIMEOUT_MS": "3000"}
 
 
 @pytest.fixture
@@ -75,30 +79,6 @@ async def publish_one_batch(bootstrap: str, topic: str, items: list[tuple[str, b
         await (await producer.send_batch(batch, topic, partition=0))
     finally:
         await producer.stop()
-
-
-def serve_env(k, **extra: str) -> dict[str, str]:
-    """KEV_* settings for a `kev serve` child on KafkaConfig `k`'s topics and group (bootstrap by flag)."""
-    return kev_env(KEV_KAFKA__GROUP_ID=k.group_id, KEV_KAFKA__QUESTIONS_TOPIC=k.questions_topic,
-                   KEV_KAFKA__ANSWERS_TOPIC=k.answers_topic, KEV_KAFKA__DELTAS_TOPIC=k.deltas_topic,
-                   KEV_KAFKA__DLQ_TOPIC=k.dlq_topic, KEV_KAFKA__CONTROL_TOPIC=k.control_topic,
-                   KEV_KAFKA__PARTITIONS=str(k.partitions), KEV_KAFKA__COMMIT_INTERVAL_MS="200",
-                   KEV_KV_CACHE__NUM_BLOCKS="512", **FAST_SESSION, **extra)
-
-
-def log_events(process: KevProcess, event: str) -> list[dict]:
-    """The child's JSON log lines whose event is `event`."""
-    from kev_async.drill_checks import log_events as parse
-
-    return parse(process.log(), event)
-
-
-async def wait_log(process: KevProcess, event: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not log_events(process, event):
-        assert process.running(), f"exited before {event!r}: {process.describe()}"
-        assert time.monotonic() < deadline, f"no {event!r} after {timeout}s: {process.describe()}"
-        await anyio.sleep(0.1)
 
 
 # -- 1. in process ------------------------------------------------------------------------------------
@@ -230,11 +210,7 @@ async def test_two_workers_one_killed_survivor_answers_everything(kafka_broker, 
                 children.append(KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers",
                                             kafka.bootstrap_servers], env, tmp_path / f"serve-{name}.log"))
             # Both in the group before any question, so the partitions are shared from the start.
-            for child in children:
-                await wait_log(child, "partitions_assigned", STARTUP_TIMEOUT)
-            with anyio.fail_after(STARTUP_TIMEOUT):
-                while not all(_assigned_now(child) for child in children):
-                    await anyio.sleep(0.1)
+            await wait_assigned(children)
 
             items = [(f"q{i:02d}", question(f"q{i:02d}", f"Count to {i}, slowly.", max_new_tokens=96))
                      for i in range(40)]
@@ -266,12 +242,6 @@ async def test_two_workers_one_killed_survivor_answers_everything(kafka_broker, 
                            if a.audit.worker != first_worker}
     assert victim_partitions & survivor_partitions, (victim_partitions, survivor_partitions)
     assert len(log_events(survivor, "partitions_assigned")) >= 2, survivor.describe()
-
-
-def _assigned_now(process: KevProcess) -> bool:
-    """Whether the latest assignment the child logged has partitions (a rebalance may have reset it)."""
-    assigned = log_events(process, "partitions_assigned")
-    return bool(assigned and assigned[-1].get("partitions"))
 
 
 # -- 4. `kev demo` -----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import argparse
 
 import msgspec
 
+from kev_async.settings import load_config, set_threads
+
 
 def add_config_and_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="a kev.yaml (default: built-in defaults + KEV_* env)")
@@ -14,8 +16,7 @@ def add_config_and_model(parser: argparse.ArgumentParser) -> None:
 
 
 def load_service_config(args: argparse.Namespace, **kafka):
-    from kev_async.logs import configure_logging
-    from kev_async.settings import load_config, set_threads
+    from kev_async.logs import configure_logging  # structlog is slow to import: not loaded for `kev --help`
 
     cfg = load_config(args.config)
     if args.model:

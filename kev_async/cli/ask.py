@@ -6,6 +6,12 @@ import argparse
 import sys
 import time
 
+import msgspec
+
+from kev_async.settings import load_config, set_threads
+from schemas import DEFAULT_CONFIG, DEFAULT_MODEL, Params, QuestionEvent
+from schemas._validation import explain
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     ask = subparsers.add_parser(
@@ -14,18 +20,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "prints every answer with its finish reason, token counts and timings.")
     ask.add_argument("questions", nargs="+", metavar="QUESTION")
     ask.add_argument("--model", default=None, help="HF directory, .gguf file or built-in name "
-                     "(default: core.model_path, i.e. smollm2-135m-instruct)")
+                     f"(default: core.model_path, i.e. {DEFAULT_MODEL})")
     ask.add_argument("--config", default=None, help="a kev.yaml (default: built-in defaults + KEV_* env)")
     ask.add_argument("--max-new-tokens", type=int, default=None, help="per answer (default: sampling.max_new_tokens)")
-    ask.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: KEV_TEMPERATURE or 0)")
+    ask.add_argument("--temperature", type=float, default=None,
+                     help=f"0 = greedy (default: KEV_TEMPERATURE or {DEFAULT_CONFIG.sampling.temperature:g})")
     ask.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     ask.add_argument("--system", default=None, help="a system prompt for every question")
     ask.set_defaults(func=_ask)
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from kev_async.settings import load_config
-
     cfg = load_config(args.config)
     params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
                                 ("seed", args.seed)) if v is not None}
@@ -37,11 +42,6 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _bad_params(params: dict) -> str | None:
-    import msgspec
-
-    from schemas import Params
-    from schemas._validation import explain
-
     try:
         msgspec.convert(params, Params)
     except msgspec.ValidationError as error:
@@ -51,10 +51,9 @@ def _bad_params(params: dict) -> str | None:
 
 
 def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
+    # torch (the engine) and structlog are slow to import: loaded when the command runs, not for `kev --help`.
     from engine import EngineOptions, IsolatedBatchPipeline, load_model
     from kev_async.logs import configure_logging
-    from kev_async.settings import set_threads
-    from schemas import QuestionEvent
 
     configure_logging(cfg.logging.level, cfg.logging.json)
     set_threads(cfg.core.threads)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from schemas import DEFAULT_MODEL
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     model = subparsers.add_parser("model", help="prepare models", description="Prepare models for serving.")
@@ -13,12 +15,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prepare", help="convert a GGUF (or the built-in model) once into the cache",
         description="Resolve MODEL and convert it to safetensors under KEV_CACHE_DIR if it is a GGUF; "
                     "later loads take about a second.")
-    prepare.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    prepare.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     prepare.set_defaults(func=_prepare)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from engine.model.loader import ModelNotFound, resolve_model_dir
+    from engine.model.loader import ModelNotFound, resolve_model_dir  # torch is heavy: not imported for `kev --help`
 
     try:
         print(resolve_model_dir(args.model))

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 
 import anyio
 import msgspec
 
-STRATEGIES = ("round_robin", "length_aware", "semantic_hash", "consistent_hash")
+from kev_async.cli._shared import load_service_config
+from schemas import EMBEDDED_BROKER
+from schemas.routing import STRATEGIES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,13 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _route(args: argparse.Namespace) -> int:
-    import sys
-
-    from kev_async.cli._shared import load_service_config
+    # The service's modules pull in aiokafka, structlog and (through kev_async.app) torch: imported when
+    # the command runs, not for `kev --help`.
     from kev_async.runtime.lifecycle import run_service
 
     cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers, intake_topic=args.intake_topic)
-    if cfg.kafka.bootstrap_servers == "embedded":
+    if cfg.kafka.bootstrap_servers == EMBEDDED_BROKER:
         print("kev route: needs a running broker (--bootstrap-servers or kafka.bootstrap_servers); "
               "it cannot share the broker another process embeds", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 
 import anyio
@@ -30,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # The service's modules pull in torch (the engine), aiokafka and structlog: imported when the command
+    # runs, not for `kev --help`.
     from kev_async.app import serve
     from kev_async.kafka_loop import EXIT_KAFKA_FAILED, KafkaLoopFailed
     from kev_async.runtime.lifecycle import run_service
@@ -51,8 +54,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_multi(cfg, args: argparse.Namespace) -> int:
     """deploy.mode multi: this process supervises deploy.workers `kev serve` children (kev_async/deploy.py)."""
-    import sys
-
     from kev_async.deploy import CrashLoop, run_multi
     from kev_async.runtime.lifecycle import run_service
 

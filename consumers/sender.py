@@ -1,0 +1,168 @@
+"""Records out to Kafka, each settling its source positions once the broker acks it.
+
+`send()` only queues a record into the producer's batch; a settle task per record waits for the
+broker's ack (acks=all) and only then reports the source positions as done. Those tasks run in the
+publisher's task group, so leaving `async with Publisher(...)` waits for every ack in flight.
+
+A failure is sorted by consumers/delivery.py `decide`: a transient one is sent again with backoff
+until `retry_s` after the record's first send (`reply_retry_s` on a caller's reply topic); a record
+refused for itself is replaced by its fallback (consumers/records.py); a reply topic the broker
+refuses is avoided (consumers/reply_topics.py). What is left raises PublishFailed, and the source of
+that record is never settled, so never committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
+from anyio.abc import TaskGroup
+
+from consumers.delivery import Next, PublishFailed, Retries, decide, short_error
+from consumers.ledger import QuestionLedger
+from consumers.messages import Position
+from consumers.records import Record
+from consumers.reply_topics import ReplyTopics
+
+log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
+
+ACK_WAIT_S = 1.0  # on revocation, how long the acks in flight are waited for (the rebalance waits too)
+
+
+class Sender:
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        ledger: QuestionLedger,
+        on_settled: Callable[[Sequence[Position]], None],
+        tasks: TaskGroup,  # the publisher's: the settle tasks run there
+        reply_topics: ReplyTopics,
+        counts: dict[str, int],  # the publisher's counts: each acked record adds one to its kind
+        *,
+        max_in_flight: int,
+        retry_s: float,
+        reply_retry_s: float,
+    ) -> None:
+        self.producer = producer
+        self.ledger = ledger
+        self.on_settled = on_settled  # positions whose outcome the broker acked
+        self.tasks = tasks
+        self.reply_topics = reply_topics
+        self.counts = counts
+        self.retry_s = retry_s
+        self.reply_retry_s = reply_retry_s
+        self._slots = anyio.Semaphore(max_in_flight)
+        self._unacked = 0
+        self._acked = anyio.Event()
+
+    async def send(self, record: Record) -> None:
+        """Queue the record (in call order, so one question's deltas precede its answer); a task settles it."""
+        await self._slots.acquire()
+        retries = Retries(self.retry_s)  # the window counts from here, the first send
+        try:
+            pending = await self._try_send(record, retries.left(self._window(record)))
+        except BaseException:
+            self._slots.release()
+            raise
+        self._unacked += 1
+        self.tasks.start_soon(self._settle, record, pending, retries)
+
+    async def quiesce(self, timeout: float = ACK_WAIT_S) -> None:
+        """Wait (bounded) until every record sent so far is acked or has failed."""
+        with anyio.move_on_after(timeout):
+            while self._unacked:
+                await self._acked.wait()
+
+    async def _try_send(self, record: Record, within_s: float | None) -> asyncio.Future | Exception:
+        """The ack's future, or the error. send() itself can wait request_timeout_ms for a topic's
+        metadata (in the publish loop, for a first send): given up after `within_s` (cancelled there,
+        nothing was queued)."""
+        try:
+            with anyio.fail_after(within_s):
+                return await self.producer.send(record.topic, value=record.value, key=record.key,
+                                                headers=record.headers, partition=record.partition,
+                                                timestamp_ms=record.timestamp_ms)
+        except TimeoutError:
+            if self.producer.client.cluster.partitions_for_topic(record.topic) is None:
+                return UnknownTopicOrPartitionError(f"no metadata for topic {record.topic[:300]!r} "
+                                                    f"within {within_s:.1f}s")
+            return KafkaTimeoutError(f"not queued within {within_s:.1f}s")
+        except Exception as error:  # noqa: BLE001 - sorted in _deliver, like a failed ack
+            return error
+
+    async def _settle(self, record: Record, pending: asyncio.Future | Exception, retries: Retries) -> None:
+        try:
+            delivered = await self._deliver(record, pending, retries)
+        finally:
+            self._slots.release()
+            self._unacked -= 1
+            self._acked.set()
+            self._acked = anyio.Event()
+        if delivered is None:
+            return
+        record, metadata = delivered
+        self.counts[record.kind] = self.counts.get(record.kind, 0) + 1  # "forwarded" appears only in kev route
+        settles = list(record.settles)
+        if record.question_id is not None:
+            settles += self.ledger.finish(record.question_id)
+        if settles:
+            self.on_settled(settles)
+            source = settles[0]
+            log.info("published", kind=record.kind, topic=record.topic, partition=metadata.partition,
+                     offset=metadata.offset, question_id=record.question_id, source_partition=source.partition,
+                     source_offset=source.offset)
+
+    async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries):
+        """(the record acked, its metadata), or None when it was dropped; raises PublishFailed. One
+        window (`retries`) for the record and what replaces it: the question's, from its first send."""
+        first_of_fallback = False
+        while True:
+            try:
+                return record, await self._ack(record, pending, retries, bounded=not first_of_fallback)
+            except Exception as error:  # noqa: BLE001 - every failure is sorted below
+                following = self._after_failure(record, error, retries)
+            if following is None:
+                return None
+            first_of_fallback = following is not record
+            if following is record:
+                await retries.wait(self._window(record))
+            record = following
+            pending = await self._try_send(record, None if first_of_fallback or record.reply else retries.left())
+
+    async def _ack(self, record: Record, pending: asyncio.Future | Exception, retries: Retries, *, bounded: bool):
+        """The broker's ack. Waited for within the record's window, except on a reply topic (given up
+        there, it could still arrive after its fallback: the answer twice) and for the first try of
+        a record replacing a refused one (its own try, bounded by request_timeout_ms)."""
+        if isinstance(pending, Exception):
+            raise pending
+        if record.reply or not bounded:
+            return await pending
+        with anyio.move_on_after(retries.left()):
+            return await asyncio.shield(pending)  # not cancelled: aiokafka still owns the record
+        raise KafkaTimeoutError(f"no ack within {self.retry_s:g}s of the first send")
+
+    def _window(self, record: Record) -> float:
+        return self.reply_retry_s if record.reply else self.retry_s
+
+    def _after_failure(self, record: Record, error: Exception, retries: Retries) -> Record | None:
+        """The record to send next (the same one to retry it), or None to drop it; raises PublishFailed."""
+        step = decide(error, reply=record.reply, exhausted=retries.exhausted(self._window(record)),
+                      own_timestamp=record.timestamp_ms is not None)
+        if step is Next.RETRY:
+            log.warning("publish_retrying", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
+                        attempt=retries.attempts + 1, error=short_error(error))
+            return record
+        if step is Next.AVOID_TOPIC:
+            self.reply_topics.avoid(record.topic)
+        if step is not Next.FAIL and record.fallback is not None:
+            avoided_s = self.reply_topics.avoid_s if step is Next.AVOID_TOPIC else 0
+            log.warning("publish_refused", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
+                        error=short_error(error), topic_avoided_s=avoided_s)
+            return record.fallback(error)
+        raise PublishFailed(f"cannot publish {record.kind} to topic {record.topic[:300]!r} "
+                            f"({retries.elapsed():.1f}s after its first send, {retries.attempts} retries): "
+                            f"{short_error(error)}") from error
