@@ -1,8 +1,9 @@
 """`kev demo`: the whole path on embedded defaults — broker, worker, producer and an answers reader.
 
-It publishes the benchmark's mixed questions plus two bad events (one undecodable, one invalid) to
+It publishes the mixed sample questions plus two bad events (one undecodable, one invalid) to
 kev.questions, prints every answer as it arrives on kev.answers, counts the dead letter, and stops
-the worker gracefully once everything is answered. With `http=True` (`kev demo --http`) it then
+the worker gracefully once everything is answered. The worker serves its metrics as `kev serve` does
+(metrics.port; the demo says where, for `kev top`). With `http=True` (`kev demo --http`) it then
 starts the OpenAI-compatible gateway, prints a `curl` line that works, and serves until Ctrl-C.
 """
 
@@ -15,9 +16,12 @@ import anyio
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from kev_async.app import serve
-from kev_async.bench.questions import QUESTIONS
+from kev_async.gateway.demo import demo_over_http
+from kev_async.gateway.exposure import with_session_trust_key
+from kev_async.observe.dashboard import DEFAULT_URL
 from kev_async.runtime.lifecycle import Shutdown
-from schemas import KevConfig, Params, QuestionEvent, decode_answer, encode
+from kev_async.sample_questions import QUESTIONS
+from schemas import KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
 
 BAD_EVENTS = [
     b"this is not JSON",  # undecodable: goes to the dead-letter topic unchanged
@@ -30,33 +34,32 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
     questions = [QuestionEvent(question_id=f"demo-{i}", prompt=text, params=Params(max_new_tokens=max_new_tokens))
                  for i, text in enumerate((QUESTIONS * 8)[:num_questions])]
     if http:  # the gateway signs its questions; the worker must know the key
-        from kev_async.gateway.exposure import with_session_trust_key
-
         cfg = with_session_trust_key(cfg)
     async with anyio.create_task_group() as tg:
         running = await tg.start(partial(serve, cfg, shutdown))
         out(f"kev: worker {running.worker} serving {running.model} from {running.bootstrap_servers}")
+        if cfg.metrics.port:
+            out(_metrics_line(cfg.metrics))
         task_status.started(running)
         started = time.perf_counter()
-        await _publish(cfg, running.bootstrap_servers, questions)
+        await publish_questions(cfg, running.bootstrap_servers, questions)
         # Generous, but bounded: a lost answer must fail the demo, not hang it.
         with anyio.fail_after(60 + 10 * len(questions)):
-            summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
+            summary = await read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
         summary["seconds"] = time.perf_counter() - started
         summary["dead_letters"] = await _count(cfg.kafka.dlq_topic, running.bootstrap_servers, 1)
         out(f"\n{_count_of(summary['answers'], 'answer')} ({_count_of(summary['errors'], 'error answer')}), "
             f"{_count_of(summary['dead_letters'], 'dead letter')}, {summary['tokens']} tokens in {summary['seconds']:.1f}s "
             f"({summary['tokens'] / summary['seconds']:.1f} tokens/s end to end, through Kafka)")
         if http:
-            from kev_async.gateway.demo import demo_over_http
-
             await demo_over_http(cfg, running.bootstrap_servers, shutdown, max_new_tokens=max_new_tokens, out=out)
         else:
             shutdown.request("demo finished")
     return summary
 
 
-async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
+async def publish_questions(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
+    """`questions`, then BAD_EVENTS, to the questions topic; all acked by the broker on return."""
     producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
     await producer.start()
     try:
@@ -69,7 +72,8 @@ async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent])
         await producer.stop()
 
 
-async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
+async def read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
+    """The answers topic from its start until `expected` answers: each printed through `out`, and counted."""
     summary = {"answers": 0, "errors": 0, "tokens": 0}
     consumer = AIOKafkaConsumer(cfg.kafka.answers_topic, bootstrap_servers=servers, group_id=None,
                                 auto_offset_reset="earliest", enable_auto_commit=False)
@@ -102,6 +106,13 @@ async def _count(topic: str, servers: str, expected: int, timeout: float = 10.0)
     finally:
         await consumer.stop()
     return seen
+
+
+def _metrics_line(metrics: MetricsConfig) -> str:
+    host = f"[{metrics.host}]" if ":" in metrics.host else metrics.host
+    url = f"http://{host}:{metrics.port}/metrics"
+    watch = "kev top" if url == DEFAULT_URL else f"kev top --url {url}"
+    return f"kev: worker metrics on {url} (watch them: {watch})"
 
 
 def _line(answer) -> str:

@@ -1,4 +1,5 @@
-"""The 32 mixed questions every engine benchmark uses: short and long, factual and open-ended."""
+"""Thirty-two mixed sample questions, short and long, factual and open-ended: what `kev demo` and `kev drill`
+publish and every engine benchmark answers."""
 
 QUESTIONS = [
     "Explain TCP's three-way handshake in one sentence.",

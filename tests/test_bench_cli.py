@@ -1,6 +1,6 @@
 """The benchmarks stay runnable: each `kev bench` prints its table and ratios (tiny model, tiny sizes).
 
-Speed itself is never asserted here; the numbers live in the README, measured with the real model.
+Speed itself is never asserted here; the numbers live in docs/speed.md, measured with the real model.
 """
 
 import pytest

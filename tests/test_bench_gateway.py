@@ -19,7 +19,7 @@ pytestmark = pytest.mark.kafka
 
 
 def test_bench_gateway_runs_and_reports_the_added_p50(tiny_model, monkeypatch):
-    from kev_async.bench.gateway import bench_gateway
+    from kev_async.bench.gateway.run import bench_gateway
 
     for name, value in SESSION_ENV.items():
         monkeypatch.setenv(name, value)
@@ -32,7 +32,7 @@ def test_bench_gateway_runs_and_reports_the_added_p50(tiny_model, monkeypatch):
 
 def test_bench_gateway_can_run_the_gateway_as_its_own_process(tiny_model, monkeypatch):
     """As deployed: `kev gateway` in a child process, not in the bench's event loop."""
-    from kev_async.bench.gateway import bench_gateway
+    from kev_async.bench.gateway.run import bench_gateway
 
     for name, value in SESSION_ENV.items():
         monkeypatch.setenv(name, value)
@@ -47,7 +47,7 @@ def test_bench_gateway_can_run_the_gateway_as_its_own_process(tiny_model, monkey
 def test_bench_gateway_can_run_the_gateway_and_the_worker_as_processes(tiny_model, monkeypatch):
     """As deployed: `kev gateway --processes 2` and `kev serve` in child processes; the CPU per request read is
     the gateway processes' together."""
-    from kev_async.bench.gateway import bench_gateway
+    from kev_async.bench.gateway.run import bench_gateway
 
     for name, value in SESSION_ENV.items():
         monkeypatch.setenv(name, value)

@@ -1,7 +1,7 @@
 """`kev bench load`: the arrival trace (Poisson spacing, seeded, the length mix), the report's math, and
 the real command end to end on a tiny model (Kev's Engine, transformers static batching, Kafka).
 
-Speed itself is never asserted; the numbers live in the README, measured with the real model.
+Speed itself is never asserted; the numbers live in docs/speed.md, measured with the real model.
 """
 
 import json
@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from kev_async.bench.load_report import Outcome, Reference, SystemRun, percentile, summarize
-from kev_async.bench.load_trace import MixSpec, build_trace, poisson_arrivals, shared_system_prompt
+from kev_async.bench.load.report import Outcome, Reference, SystemRun, percentile, summarize
+from kev_async.bench.load.trace import MixSpec, build_trace, poisson_arrivals, shared_system_prompt
 from kev_async.cli import main
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]

@@ -48,7 +48,7 @@ def test_plan_splits_cores_or_gpus_between_workers():
 
 def events(process: KevProcess, event: str) -> list[dict]:
     """The child's JSON log lines whose event is `event`."""
-    from kev_async.drill_checks import log_events as parse
+    from kev_async.drill.checks import log_events as parse
 
     return parse(process.log(), event)
 

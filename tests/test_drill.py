@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kev_async.drill_checks import check_run
+from kev_async.drill.checks import check_run
 from schemas import AnswerEvent
 from schemas.answers import Audit
 
@@ -23,7 +23,7 @@ def anyio_backend():
 
 @pytest.mark.kafka
 async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
-    from kev_async.drill import DrillOptions, run_drill
+    from kev_async.drill.run import DrillOptions, run_drill
 
     options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=25.0,
                            model=str(tiny_model_dir), workdir=tmp_path / "drill")
@@ -160,7 +160,7 @@ def test_the_bound_explains_late_acks_at_a_revocation_and_answers_in_flight_at_t
 
 
 def test_a_workers_assignment_is_read_from_its_log_through_pauses_and_rebalances():
-    from kev_async.drill import _assignment
+    from kev_async.drill.workers import assignment
 
     log = "\n".join([
         "kev: worker starting (not JSON)",
@@ -168,6 +168,6 @@ def test_a_workers_assignment_is_read_from_its_log_through_pauses_and_rebalances
         _line("partitions_paused", "02", partitions=2),  # a count, not a list
         _line("partitions_revoked", "03", partitions=["q:0", "q:1"]),
     ])
-    assert _assignment(log, "q") == set()  # mid-rebalance: holds nothing
+    assert assignment(log, "q") == set()  # mid-rebalance: holds nothing
     log += "\n" + _line("partitions_assigned", "04", partitions=["q:1"])
-    assert _assignment(log, "q") == {"q:1"}
+    assert assignment(log, "q") == {"q:1"}

@@ -1,2 +1,3 @@
-"""Benchmarks behind `kev bench`, one module per benchmark (engine, lora, scaling, kafka) plus the mixed
-questions they share (also the demo's) and plots; imported by the CLI, never by serving code."""
+"""Benchmarks behind `kev bench`, one module or package per benchmark (engine, lora, scaling, kafka, load,
+gateway, routing, precision, step) plus what several share: arguments.py, model.py, machine.py; imported by
+the CLI, never by serving code."""

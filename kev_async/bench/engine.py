@@ -4,7 +4,6 @@
 (c) Kev, early eviction                                (d) Kev, finished questions kept until the batch drains
 All greedy, all stopping at EOS or max_new_tokens. Prints tokens/s, the ratios, and whether (c)'s answers
 are token-identical to (a)'s. `Run` and the run_* helpers are shared with the lora and scaling benchmarks.
-torch and the engine are imported inside the functions: `kev --help` imports this module.
 """
 
 from __future__ import annotations
@@ -14,8 +13,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kev_async.bench.model import bench_model
-from kev_async.bench.questions import QUESTIONS
+from kev_async.bench.model import bench_model, hf_model
+from kev_async.sample_questions import QUESTIONS
+from schemas import DEFAULT_MODEL
+
+# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -24,7 +26,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         description="(a) transformers generate one question at a time, (b) transformers generate on one "
                     "left-padded batch, (c) Kev with early eviction, (d) Kev without it; greedy. Prints "
                     "tokens/s, (c)/(a), (c)/(b), (c)/(d) and whether (c)'s answers equal (a)'s.")
-    engine.add_argument("--model", default="smollm2-135m-instruct")
+    engine.add_argument("--model", default=DEFAULT_MODEL)
     engine.add_argument("--questions", type=int, default=32, help="how many of the mixed questions (default 32)")
     engine.add_argument("--max-new-tokens", type=int, default=64)
     engine.add_argument("--repeats", type=int, default=3, help="Kev runs per variant; the median is kept")
@@ -73,12 +75,6 @@ def run_kev(model, questions, max_new_tokens: int, early_stop: bool, repeats: in
     if deterministic:
         name = "kev, deterministic mode"
     return Run(name, seconds, sum(map(len, ids)), ids)
-
-
-def hf_model(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()
 
 
 def run_hf_sequential(hf, model, prompts: list[list[int]], max_new_tokens: int) -> Run:

@@ -8,9 +8,14 @@ import time
 from functools import partial
 
 import anyio
+import msgspec
 
 from kev_async.bench.model import bench_model
-from kev_async.bench.questions import QUESTIONS
+from kev_async.sample_questions import QUESTIONS
+from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEvent
+
+# The engine, the worker and aiokafka are imported inside the functions that use them: `kev --help` imports
+# this module.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -18,7 +23,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "kafka", help="the same questions through the bare engine and through Kafka",
         description="Answer N questions with the engine alone, then publish them to an embedded broker and "
                     "read the answers back through `kev serve` (in process); prints both rates and the ratio.")
-    kafka.add_argument("--model", default="smollm2-135m-instruct")
+    kafka.add_argument("--model", default=DEFAULT_MODEL)
     kafka.add_argument("--questions", type=int, default=64)
     kafka.add_argument("--max-new-tokens", type=int, default=32)
     kafka.add_argument("--threads", type=int, default=None)
@@ -26,10 +31,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    import msgspec
-
-    from schemas import KevConfig, MetricsConfig
-
     model = bench_model(args)
     cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
     anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens),
@@ -42,9 +43,8 @@ async def bench_kafka(cfg, model, *, num_questions: int, max_new_tokens: int, ou
     from engine import IsolatedBatchPipeline
     from engine.prompt import as_question
     from kev_async.app import serve
-    from kev_async.demo import _publish, _read_answers
+    from kev_async.demo import publish_questions, read_answers
     from kev_async.runtime.lifecycle import Shutdown
-    from schemas import Params, QuestionEvent
 
     texts = (QUESTIONS * 32)[:num_questions]
     pipe = IsolatedBatchPipeline(model, max_batch_size=cfg.router.max_parallel_queries)
@@ -60,8 +60,8 @@ async def bench_kafka(cfg, model, *, num_questions: int, max_new_tokens: int, ou
     async with anyio.create_task_group() as tg:
         running = await tg.start(partial(serve, cfg, shutdown, model=model))
         started = time.perf_counter()  # broker and group start-up are excluded: the service is ready
-        await _publish(cfg, running.bootstrap_servers, questions)
-        summary = await _read_answers(cfg, running.bootstrap_servers, len(questions), lambda _line: None)
+        await publish_questions(cfg, running.bootstrap_servers, questions)
+        summary = await read_answers(cfg, running.bootstrap_servers, len(questions), lambda _line: None)
         kafka_seconds = time.perf_counter() - started
         shutdown.request("bench finished")
     rows = {"engine alone (IsolatedBatchPipeline)": (engine_tokens, engine_seconds),

@@ -9,9 +9,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+
 from kev_async.bench.engine import Run
 from kev_async.bench.model import bench_model
-from kev_async.bench.questions import QUESTIONS
+from kev_async.sample_questions import QUESTIONS
+from schemas import DEFAULT_MODEL
+
+# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -20,7 +25,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         description="Writes random PEFT adapters (all linear targets) to a temporary folder, then runs the "
                     "same questions with no adapter and with the adapters assigned round-robin, alternating, "
                     "in one engine; greedy. Prints tokens/s of each (median of --repeats) and the ratio.")
-    lora.add_argument("--model", default="smollm2-135m-instruct")
+    lora.add_argument("--model", default=DEFAULT_MODEL)
     lora.add_argument("--questions", type=int, default=32, help="how many of the mixed questions (default 32)")
     lora.add_argument("--max-new-tokens", type=int, default=64)
     lora.add_argument("--repeats", type=int, default=3, help="runs per variant; the median is kept")
@@ -66,8 +71,6 @@ def bench_lora(model, *, num_questions: int = 32, max_new_tokens: int = 64, repe
     The two variants alternate within each repeat, so a noisy neighbour slows both alike; the median
     repeat of each is reported.
     """
-    import msgspec
-
     from engine.options import EngineOptions
     from engine.pipeline import IsolatedBatchPipeline
     from engine.prompt import as_question

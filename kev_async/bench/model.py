@@ -1,13 +1,23 @@
-"""The one model loader every benchmark uses: torch threads from --threads, then the model from --model."""
+"""The models every benchmark runs: Kev's (torch threads from --threads, then --model) and transformers'
+own model on the same weights, the baseline. `kev --help` imports this module (through the benchmarks'
+parsers), so the engine and transformers load inside the functions, when a benchmark runs."""
 
 from __future__ import annotations
 
 import argparse
 
+from kev_async.settings import set_threads
+
 
 def bench_model(args: argparse.Namespace):
-    from engine import load_model
-    from kev_async.settings import set_threads
+    from engine import load_model  # torch: not for `kev --help`
 
     set_threads(args.threads)
     return load_model(args.model)
+
+
+def hf_model(model):
+    """transformers' own model on the same weights and precision as Kev's."""
+    from transformers import AutoModelForCausalLM  # heavy: not for `kev --help`
+
+    return AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()

@@ -4,7 +4,6 @@ Per variant: tokens/s (Kev, all questions at once, greedy), weights MiB, KV byte
 tokens per MiB of KV pool, how many answers are token-identical to fp32's, and the largest
 difference of the first step's logits from fp32's. The variants' runs are interleaved (one run of
 each, then again), so a noisy machine slows them alike; the median run is kept.
-torch and the engine are imported inside the functions: `kev --help` imports this module.
 """
 
 from __future__ import annotations
@@ -14,7 +13,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from kev_async.bench.questions import QUESTIONS
+from kev_async.bench.machine import cpu_name
+from kev_async.sample_questions import QUESTIONS
+from kev_async.settings import set_threads
+from schemas import DEFAULT_MODEL
+
+# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
 VARIANTS = {  # name -> (load_model dtype, load_model weights, EngineOptions.kv_dtype)
     "fp32": ("fp32", "full", "auto"),
@@ -29,7 +33,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "precision", help="fp32 vs bf16, int8 weights, int8 KV: speed, memory, agreement",
         description="Kev in each precision on the same questions, runs interleaved: tokens/s, weights MiB, "
                     "KV bytes/token, answers token-identical to fp32's, max first-step logit difference.")
-    bench.add_argument("--model", default="smollm2-135m-instruct")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--questions", type=int, default=32, help="how many of the mixed questions (default 32)")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per variant; the median is kept")
@@ -40,8 +44,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from kev_async.settings import set_threads
-
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or names[0] != "fp32":
@@ -147,8 +149,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _report(rows: list[dict], model_name: str, questions: int, max_new_tokens: int, out) -> None:
     import torch
-
-    from kev_async.bench.load import cpu_name
 
     out(f"model {model_name}, {questions} questions at once, <= {max_new_tokens} new tokens, greedy, "
         f"torch threads {torch.get_num_threads()}, {cpu_name()}")

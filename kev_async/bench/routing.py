@@ -5,13 +5,20 @@ through `kev route` (in process) on the embedded broker, once per strategy. The 
 workers' metrics call kev_prefix_cache_hit_rate: prompt tokens read from the cache / prompt tokens,
 summed here over the answers' usage. semantic_hash sends each system prompt to one worker, whose
 cache then holds fewer prefixes; round_robin makes every worker cache every prefix, so a small pool
-evicts them in turn. Built on the drill's runner (kev_async/drill.py) with faults off.
+evicts them in turn. Built on the drill's runner (kev_async/drill/) with faults off.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+import anyio
+
+from schemas import DEFAULT_MODEL
+
+# The drill (aiokafka, the broker) and structlog's set-up are imported inside the functions that use them:
+# `kev --help` imports this module.
 
 PERSONAS = ("a travel agent", "a legal assistant", "a cooking tutor", "a programming tutor",
             "a fitness coach", "a history teacher", "a customer support agent", "a science explainer")
@@ -31,7 +38,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         description="Run `kev route` with each strategy in front of --workers `kev serve` workers "
                     "(isolation.level shared) on the embedded broker; questions cycle through --system-prompts "
                     "long system prompts. Prints each strategy's prefix-cache hit rate and the ratio.")
-    routing.add_argument("--model", default="smollm2-135m-instruct")
+    routing.add_argument("--model", default=DEFAULT_MODEL)
     routing.add_argument("--questions", type=int, default=64)
     routing.add_argument("--workers", type=int, default=2)
     routing.add_argument("--partitions", type=int, default=2)
@@ -60,9 +67,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 
 def _hit_rates(args: argparse.Namespace) -> dict[str, float]:
-    import anyio
-
-    from kev_async.drill import DrillOptions, run_drill
+    from kev_async.drill.run import DrillOptions, run_drill
 
     rates = {}
     for strategy in ("semantic_hash", "round_robin"):

@@ -1,13 +1,16 @@
 """`kev bench scaling`: tokens/s against the number of questions for Kev and both transformers
-baselines, printed per count and drawn as curves (plots.py)."""
+baselines, printed per count and drawn as curves (scaling_plot.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kev_async.bench.engine import hf_model, run_hf_padded, run_hf_sequential, run_kev
-from kev_async.bench.model import bench_model
-from kev_async.bench.questions import QUESTIONS
+from kev_async.bench.engine import run_hf_padded, run_hf_sequential, run_kev
+from kev_async.bench.model import bench_model, hf_model
+from kev_async.sample_questions import QUESTIONS
+from schemas import DEFAULT_MODEL
+
+# The engine and matplotlib are imported inside the functions that use them: `kev --help` imports this module.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -15,16 +18,18 @@ def register(kinds: argparse._SubParsersAction) -> None:
         "scaling", help="tokens/s against the number of questions, with a plot",
         description="For 1, 2, 4, ... 32 questions: Kev, transformers one at a time and transformers on one "
                     "padded batch (greedy). Prints a line per count and draws the curves to --output.")
-    scaling.add_argument("--model", default="smollm2-135m-instruct")
+    scaling.add_argument("--model", default=DEFAULT_MODEL)
     scaling.add_argument("--max-new-tokens", type=int, default=32)
     scaling.add_argument("--counts", default="1,2,4,8,16,32", help="comma-separated question counts")
-    scaling.add_argument("--output", "-o", default="docs/throughput.png")
+    scaling.add_argument("--output", "-o", default=".cache/bench/throughput.png",
+                         help="the plot (default .cache/bench/throughput.png; -o docs/throughput.png refreshes the "
+                              "README's)")
     scaling.add_argument("--threads", type=int, default=None)
     scaling.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from kev_async.bench.plots import plot_scaling
+    from kev_async.bench.scaling_plot import plot_scaling
 
     model = bench_model(args)
     result = bench_scaling(model, counts=tuple(int(c) for c in args.counts.split(",")),

@@ -10,7 +10,6 @@ once per layer, which no kernel avoids: that many bytes over the memory's read b
 neither floor explains. B questions of `--context` random prompt tokens each are
 prefilled first; the timed steps are pure decode steps with all B rows (EOS is ignored here).
 `--profile` adds torch.profiler's top operators for the largest batch size's steps.
-torch and the engine are imported inside the functions: `kev --help` imports this module.
 """
 
 from __future__ import annotations
@@ -21,6 +20,10 @@ import statistics
 import time
 
 from kev_async.bench.arguments import positive_ints
+from kev_async.settings import set_threads
+from schemas import DEFAULT_MODEL, Params, QuestionEvent
+
+# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -29,7 +32,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
         description="Median decode step at each batch size (all rows at --context tokens) next to the same "
                     "weight matmuls alone at that many rows; step / floor is the share a step spends outside "
                     "weight GEMMs. --profile lists where the largest batch's step time goes.")
-    step.add_argument("--model", default="smollm2-135m-instruct")
+    step.add_argument("--model", default=DEFAULT_MODEL)
     step.add_argument("--batch-sizes", type=positive_ints("batch sizes", "1,8,32,64"), default=[1, 8, 32, 64])
     step.add_argument("--context", type=int, default=400, help="prompt tokens per row before the timed steps "
                                                               "(default 400)")
@@ -44,7 +47,6 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 def _cli(args: argparse.Namespace) -> int:
     from engine import load_model
-    from kev_async.settings import set_threads
 
     set_threads(args.threads)
     model = load_model(args.model, dtype=args.dtype)
@@ -97,7 +99,6 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
     from engine import EngineOptions
     from engine.core import EngineCore
     from engine.kv.cache import cache_dtype
-    from schemas import Params, QuestionEvent
 
     options = EngineOptions(max_batch_size=batch, batch_window_ms=0, kv_dtype=kv_dtype)
     # Rows prefilled early decode while later ones prefill: leave room for those tokens too.

@@ -1,9 +1,11 @@
 """`kev bench ...`: speed measured side by side in one run, printed as a table and ratios.
 
-Each benchmark is a module `kev_async/bench/<name>.py` defining `register(kinds)`, which adds its
-`kev bench <name>` parser to `kinds` (the bench subparsers) and sets `func=`. Enable a new one by
-adding "<name>" to BENCHES; the order there is the order of `kev bench --help`. A benchmark module
-imports torch and the engine inside its functions, never at its top: `kev --help` imports it.
+Each benchmark is a module `kev_async/bench/<name>.py`, or a package `kev_async/bench/<name>/` (load,
+gateway), defining `register(kinds)`, which adds its `kev bench <name>` parser to `kinds` (the bench
+subparsers) and sets `func=`. Enable a new one by adding "<name>" to BENCHES; the order there is the
+order of `kev bench --help`. `kev --help` imports what defines `register`, so torch and the engine are
+imported only when a benchmark runs: inside a module's functions, or by a package's run modules, which
+its command.py imports when it runs.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from functools import partial
 
@@ -10,6 +11,8 @@ import anyio
 import msgspec
 
 from kev_async.cli._shared import add_config_and_model, load_service_config
+from kev_async.gateway.exposure import GatewayRefused, check_exposure, with_session_trust_key
+from schemas import DEFAULT_CONFIG, EMBEDDED_BROKER, MetricsConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,20 +27,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per answer (default 64)")
     demo.add_argument("--http", action="store_true", help="also start `kev gateway` and keep serving until Ctrl-C")
     demo.add_argument("--port", type=int, default=None, help="the gateway's port with --http (default gateway.port, "
-                                                             "8000; 0 = any free port)")
+                                                             f"{DEFAULT_CONFIG.gateway.port}; 0 = any free port)")
     demo.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # The demo and the service runner import the engine (torch), aiokafka and structlog: not for `kev --help`.
     from kev_async.demo import run_demo
     from kev_async.runtime.lifecycle import run_service
 
     cfg = load_service_config(args)
-    if cfg.kafka.bootstrap_servers != "embedded":
+    if cfg.kafka.bootstrap_servers != EMBEDDED_BROKER:
         print("kev demo: runs on the embedded broker only (kafka.bootstrap_servers: embedded)", file=sys.stderr)
         return 2
-    # The demo is one short-lived process: no metrics endpoint, so it never clashes with a running worker.
-    cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=0))
+    # The worker serves its metrics as `kev serve`'s does, for `kev top`; a running worker may hold the port.
+    cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, port=_metrics_port(cfg.metrics)))
     if args.port is not None:
         cfg = msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(cfg.gateway, port=args.port))
     if args.http and (refused := _gateway_refusal(cfg)):
@@ -47,10 +51,23 @@ def _demo(args: argparse.Namespace) -> int:
     return anyio.run(partial(run_service, demo), backend="asyncio")
 
 
+def _metrics_port(metrics: MetricsConfig) -> int:
+    """metrics.port where it is free, else a port the system has free; 0 stays 0 (metrics off)."""
+    if not metrics.port:
+        return 0
+    with socket.socket(socket.AF_INET6 if ":" in metrics.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the endpoint's own listener
+        try:
+            probe.bind((metrics.host, metrics.port))
+        except OSError:
+            probe.bind((metrics.host, 0))
+        return probe.getsockname()[1]
+
+
 def _gateway_refusal(cfg) -> str | None:
     """Why the demo's gateway must not serve as configured (listening beyond the loopback without keys)."""
+    # starlette: loaded for `kev demo --http`, not for `kev --help`
     from kev_async.gateway.auth import Authenticator
-    from kev_async.gateway.exposure import GatewayRefused, check_exposure, with_session_trust_key
 
     try:
         check_exposure(with_session_trust_key(cfg), keys_configured=Authenticator.from_config(cfg.gateway).enabled)

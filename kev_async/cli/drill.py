@@ -1,10 +1,14 @@
-"""`kev drill`: the fault drill (kev_async/drill.py): workers killed, added and stopped mid-stream on the
+"""`kev drill`: the fault drill (kev_async/drill/): workers killed, added and stopped mid-stream on the
 embedded broker, then every answer, commit and KV pool checked. Exit 0 only if every check holds."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+import anyio
+
+from schemas import DEFAULT_MODEL
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,17 +27,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     drill.add_argument("--partitions", type=int, default=6)
     drill.add_argument("--max-new-tokens", type=int, default=16)
     drill.add_argument("--spread", type=float, default=60.0, help="seconds over which the questions arrive")
-    drill.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf or built-in name")
-    drill.add_argument("--workdir", default="kev-drill", help="where worker logs and report.json go")
+    drill.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf or built-in name")
+    drill.add_argument("--workdir", default=".cache/drill",
+                       help="where worker logs and report.json go (default .cache/drill)")
     drill.add_argument("--no-faults", action="store_true", help="no kills or stops: measure answers/s")
     drill.add_argument("--pin", action="store_true", help="pin worker i to core i mod cores (one torch thread each)")
     drill.set_defaults(func=_drill)
 
 
 def _drill(args: argparse.Namespace) -> int:
-    import anyio
-
-    from kev_async.drill import DrillOptions, result_json, run_drill
+    # The drill (aiokafka, the broker) and structlog's set-up: loaded to run it, not for `kev --help`.
+    from kev_async.drill.run import DrillOptions, result_json, run_drill
     from kev_async.logs import configure_logging
 
     configure_logging("warning")

@@ -1,4 +1,4 @@
-"""The drill's broker restart (kev_async/drill.py): mid-stream, the embedded Tansu is SIGKILLed and
+"""The drill's broker restart (run.py): mid-stream, the embedded Tansu is SIGKILLed and
 started again on its data (`broker.storage: durable`, consumers/object_store.py). Afterwards every
 question published before the restart must have an answer; duplicates (redelivery of what was in
 flight) are counted. Where SeaweedFS's `weed` is not installed, the drill runs on memory storage and
@@ -38,18 +38,18 @@ def drill_broker(options) -> EmbeddedBroker:
     return EmbeddedBroker(storage="durable", data_dir=data_dir)
 
 
-async def restart_broker(run, out) -> BrokerRestart | None:
+async def restart_broker(run) -> BrokerRestart | None:
     """SIGKILL the broker and start it on the same port and data; the workers, the publisher and
     the answer reader reconnect by themselves."""
     if run.broker is None or run.broker.storage != "durable":
-        run.note(f"broker restart {SKIPPED_NO_STORE}", out)
+        run.note(f"broker restart {SKIPPED_NO_STORE}")
         return None
     before, answered = frozenset(run.sent), len(run.answered())
     began, killed_at = time.monotonic(), datetime.now(timezone.utc)
     await run.broker.arestart(kill=True)
     restart = BrokerRestart(answered, before, time.monotonic() - began, killed_at)
     run.note(f"SIGKILL the broker at {answered} answered ({len(before)} questions published); "
-             f"back on {run.broker.bootstrap_servers} in {restart.away_s:.2f}s", out)
+             f"back on {run.broker.bootstrap_servers} in {restart.away_s:.2f}s")
     return restart
 
 

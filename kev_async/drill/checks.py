@@ -1,5 +1,5 @@
 """What a fault drill must show afterwards, read from the answers topic, the group's commits and the
-workers' JSON logs (kev_async/drill.py runs the drill).
+workers' JSON logs (run.py runs the drill).
 
 - exactly one final answer per question: every question answered; redelivery duplicates counted,
   and each duplicate equal to the first (text, token ids, finish reason); no more duplicates than the

@@ -1,17 +1,13 @@
-"""`kev bench load`: an open-loop load benchmark. One seeded arrival trace, replayed against each system
-one after another in this process; per system goodput, TTFT and end-to-end percentiles, and answers
-token-identical to a solo greedy run. A table per rate, a JSON result and a latency-vs-rate plot."""
+"""`kev bench load`'s command line: its flags, and the one-line error it prints for a setting it cannot run with."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 from kev_async.bench.arguments import positive_ints
+from schemas import DEFAULT_MODEL
 
 DESCRIPTION = """\
 Open-loop load: questions arrive by a Poisson process at --rate questions/s (or all at once with
@@ -40,7 +36,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
     load = kinds.add_parser("load", help="open-loop load: Poisson arrivals against Kev, transformers static "
                                          "batching and any OpenAI-compatible server",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    load.add_argument("--model", default="smollm2-135m-instruct", help="HF directory, .gguf or built-in name")
+    load.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf or built-in name")
     _add_trace_flags(load.add_argument_group("the trace"))
     _add_system_flags(load.add_argument_group("the systems"))
     _add_engine_flags(load.add_argument_group("engine options (passed to load_model / EngineOptions)"))
@@ -48,7 +44,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
     out.add_argument("--output-json", default=".cache/bench/load.json",
                      help="the JSON result (default .cache/bench/load.json; the solo reference cache is written "
                           "next to it)")
-    out.add_argument("--plot", default="docs/load.png", help="latency and goodput vs rate ('' = no plot)")
+    out.add_argument("--plot", default=".cache/bench/load.png",
+                     help="latency and goodput vs rate (default .cache/bench/load.png; --plot docs/load.png refreshes "
+                          "the README's; '' = no plot)")
     out.add_argument("--no-reference", action="store_true", help="skip the solo greedy reference (no identity "
                                                                  "column; saves one sequential pass)")
     load.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
@@ -122,84 +120,13 @@ def _add_engine_flags(group) -> None:
                             "prefix_caching); pair it with --shared-prefix (default strict)")
 
 
-class LoadBenchError(RuntimeError):
-    """A setting `kev bench load` cannot run with; printed as one line, exit 2."""
-
-
-def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
-    """--dtype/--weights/--kv-dtype go to whichever of load_model and EngineOptions takes them."""
-    import dataclasses
-    import inspect
-
-    from engine import EngineOptions, load_model
-
-    load_params = inspect.signature(load_model).parameters
-    option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
-    load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
-    if args.kv_mib:
-        option_kwargs["kv_budget_bytes"] = args.kv_mib << 20
-    if args.max_tokens_per_step:
-        option_kwargs["max_tokens_per_step"] = args.max_tokens_per_step
-    if args.isolation == "shared":
-        if "prefix_caching" not in option_fields:
-            raise LoadBenchError("--isolation shared: this Kev has no prefix cache (EngineOptions.prefix_caching)")
-        option_kwargs["prefix_caching"] = True
-    for name in ("dtype", "weights", "kv_dtype"):
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if name in load_params:
-            load_kwargs[name] = value
-        elif name in option_fields:
-            option_kwargs[name] = value
-        else:
-            raise LoadBenchError(f"--{name.replace('_', '-')} {value}: this Kev has no `{name}` option yet "
-                                 "(neither load_model nor EngineOptions takes it)")
-    return load_kwargs, option_kwargs
-
-
 def _cli(args: argparse.Namespace) -> int:
+    # The run imports torch, transformers and the engine: loaded for a run, not for `kev --help`.
+    from kev_async.bench.load.run import LoadBenchError, run_load
+
     try:
         run_load(args)
     except LoadBenchError as exc:
         print(f"kev bench load: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def run_load(args: argparse.Namespace, out=print) -> dict:
-    from kev_async.bench.load_http import CompareUrlError
-    from kev_async.bench.load_run import LoadRun
-
-    if args.duration is not None and args.duration <= 0:
-        raise LoadBenchError("--duration must be above 0")
-    if args.questions is not None and args.questions < 1:
-        raise LoadBenchError("--questions must be 1 or more")
-    if args.min_new_tokens > args.max_new_tokens:
-        raise LoadBenchError("--min-new-tokens is above --max-new-tokens")
-    try:
-        return LoadRun(args, engine_knobs(args), out).run()
-    except (CompareUrlError, ValueError) as exc:
-        raise LoadBenchError(str(exc)) from None
-
-
-def cpu_name() -> str:
-    """The CPU model and the flags that decide reduced-precision speed."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    wanted = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} ({', '.join(wanted) or 'no avx512'})"
-
-
-def write_json(result: dict, path: str) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(result, indent=1, default=str))
-
-
-def stamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -11,9 +11,10 @@ import json
 import time
 
 import anyio
+import httpx
 
-from kev_async.bench.load_report import Outcome, SystemRun
-from kev_async.bench.load_trace import TraceQuestion
+from kev_async.bench.load.report import Outcome, SystemRun
+from kev_async.bench.load.trace import TraceQuestion, prompt_ids
 
 
 class CompareUrlError(RuntimeError):
@@ -29,8 +30,6 @@ def v1_base(url: str) -> str:
 
 def probe(url: str) -> None:
     """Fail now, with the reason, if nothing answers at `url` (before minutes of the other systems)."""
-    import httpx
-
     base = v1_base(url)
     try:
         httpx.get(f"{base}/models", timeout=10.0)
@@ -51,8 +50,6 @@ def run_openai(url: str, model, trace: list[TraceQuestion], *, api: str = "chat"
 
 
 async def _trace(base, model, trace, api, served_model, extra_body, headers, timeout_s) -> list[Outcome]:
-    import httpx
-
     # Open loop: no connection limit, so the client never queues a question the server should see.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
@@ -72,8 +69,6 @@ async def _trace(base, model, trace, api, served_model, extra_body, headers, tim
 
 async def _served_model(client, base: str) -> str:
     """The first model the server lists; servers that serve one model ignore the name anyway."""
-    import httpx
-
     try:
         response = await client.get(f"{base}/models")
     except httpx.HTTPError as exc:
@@ -92,8 +87,6 @@ def _body(q: TraceQuestion, model, api: str, name: str, extra_body: dict) -> dic
             {"role": "user", "content": q.prompt}]
         body["messages"] = messages
     else:
-        from kev_async.bench.load_static import prompt_ids
-
         body["prompt"] = prompt_ids(model, q)
     return {**body, **extra_body}
 
@@ -104,8 +97,6 @@ async def _question(client, path: str, body: dict, t0: float, q: TraceQuestion, 
 
 
 async def _post(client, path: str, body: dict, t0: float, q: TraceQuestion, check: bool = False) -> Outcome:
-    import httpx
-
     outcome = Outcome(q.qid, q.arrival_s)
     pieces: list[str] = []
     try:

@@ -1,9 +1,12 @@
-"""`docs/load.png`: end-to-end latency (p50 solid, p99 dashed) and goodput against the offered rate,
-one colour per system."""
+"""`kev bench load`'s plot (the README's docs/load.png): end-to-end latency (p50 solid, p99 dashed) and
+goodput against the offered rate, one colour per system."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+from matplotlib.figure import Figure
 
 
 def _by_system(points: list[dict]) -> dict[str, list[dict]]:
@@ -22,12 +25,8 @@ def plot_load(points: list[dict], path: str, title: str) -> bool:
     systems = _by_system(points)
     if not systems:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (latency, goodput) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+    fig = Figure(figsize=(11, 4.5), dpi=100)  # no pyplot: no global figure, no GUI backend
+    latency, goodput = fig.subplots(1, 2)
     for i, (name, ps) in enumerate(systems.items()):
         color = f"C{i}"
         rates = [p["rate"] for p in ps]
@@ -45,6 +44,6 @@ def plot_load(points: list[dict], path: str, title: str) -> bool:
     goodput.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return True

@@ -29,6 +29,13 @@ class Outcome:
     def completed(self) -> bool:
         return self.error is None and self.finished_s is not None
 
+    @classmethod
+    def of_answer(cls, qid: str, arrival_s: float, t0: float, answer, first: float | None, done: float) -> Outcome:
+        """From Kev's AnswerEvent, with the monotonic times its first text (`first`) and its end (`done`) came."""
+        return cls(qid, arrival_s, (first or done) - t0, done - t0, answer.usage.completion_tokens,
+                   list(answer.token_ids), answer.text, answer.finish_reason,
+                   answer.error.code if answer.error else None)
+
 
 @dataclass
 class SystemRun:

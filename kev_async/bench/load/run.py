@@ -1,18 +1,77 @@
-"""One `kev bench load` invocation: for each offered rate, the trace against each system, then the
-table, the JSON result and the plot."""
+"""One `kev bench load` invocation: its settings checked, then for each offered rate the trace against
+each system, then the table, the JSON result and the plot."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
-from kev_async.bench.load_report import SystemRun, outcomes_json, ratios, summarize, table
-from kev_async.bench.load_trace import MixSpec, TraceQuestion, build_trace
+import torch
+
+from engine import EngineOptions, load_model
+from kev_async.bench.load.kev_engine import run_engine
+from kev_async.bench.load.kev_kafka import run_kafka
+from kev_async.bench.load.openai_compatible import CompareUrlError, probe, run_openai
+from kev_async.bench.load.plot import plot_load
+from kev_async.bench.load.report import outcomes_json, ratios, summarize, table
+from kev_async.bench.load.solo_reference import solo_reference
+from kev_async.bench.load.trace import MixSpec, TraceQuestion, build_trace, prompt_ids
+from kev_async.bench.load.transformers_static import best_static
+from kev_async.bench.machine import cpu_name
+from kev_async.bench.model import hf_model
+from kev_async.settings import set_threads
 
 KEV = "kev engine"
+
+
+class LoadBenchError(RuntimeError):
+    """A setting `kev bench load` cannot run with; printed as one line, exit 2."""
+
+
+def run_load(args: argparse.Namespace, out=print) -> dict:
+    if args.duration is not None and args.duration <= 0:
+        raise LoadBenchError("--duration must be above 0")
+    if args.questions is not None and args.questions < 1:
+        raise LoadBenchError("--questions must be 1 or more")
+    if args.min_new_tokens > args.max_new_tokens:
+        raise LoadBenchError("--min-new-tokens is above --max-new-tokens")
+    try:
+        return LoadRun(args, engine_knobs(args), out).run()
+    except (CompareUrlError, ValueError) as exc:
+        raise LoadBenchError(str(exc)) from None
+
+
+def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
+    """--dtype/--weights/--kv-dtype go to whichever of load_model and EngineOptions takes them."""
+    load_params = inspect.signature(load_model).parameters
+    option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
+    if args.kv_mib:
+        option_kwargs["kv_budget_bytes"] = args.kv_mib << 20
+    if args.max_tokens_per_step:
+        option_kwargs["max_tokens_per_step"] = args.max_tokens_per_step
+    if args.isolation == "shared":
+        if "prefix_caching" not in option_fields:
+            raise LoadBenchError("--isolation shared: this Kev has no prefix cache (EngineOptions.prefix_caching)")
+        option_kwargs["prefix_caching"] = True
+    for name in ("dtype", "weights", "kv_dtype"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if name in load_params:
+            load_kwargs[name] = value
+        elif name in option_fields:
+            option_kwargs[name] = value
+        else:
+            raise LoadBenchError(f"--{name.replace('_', '-')} {value}: this Kev has no `{name}` option yet "
+                                 "(neither load_model nor EngineOptions takes it)")
+    return load_kwargs, option_kwargs
 
 
 class LoadRun:
@@ -22,30 +81,23 @@ class LoadRun:
         self.rates = args.rates or [args.rate]
         self.extra_body = _json_object(args.compare_body) if args.compare_body else None
         if args.compare_url:
-            from kev_async.bench.load_http import probe
-
             probe(args.compare_url)  # a bad URL fails now, not after minutes of the other systems
 
     def run(self) -> dict:
-        from engine import EngineOptions, load_model
-        from kev_async.bench.load import cpu_name, stamp, write_json
-        from kev_async.settings import set_threads
-
-        import torch
-
         set_threads(self.args.threads)
         self.model = load_model(self.args.model, **self.load_kwargs)
         self.options = EngineOptions(**self.option_kwargs)
         self.hf = None
-        result = {"when": stamp(), "cpu": cpu_name(), "torch_threads": torch.get_num_threads(),
-                  "model": self.model.name, "dtype": str(self.model.dtype), "engine_options": self.option_kwargs,
+        result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(),
+                  "torch_threads": torch.get_num_threads(), "model": self.model.name, "dtype": str(self.model.dtype),
+                  "engine_options": self.option_kwargs,
                   "args": {k: v for k, v in vars(self.args).items() if k != "func"}, "points": [], "static_sweep": [],
                   "traces": [], "outcomes": []}
         self.out(f"model {self.model.name} ({self.model.dtype}), {result['cpu']}, torch threads "
                  f"{result['torch_threads']}")
         for rate in self.rates:
             self._one_rate(rate, result)
-        write_json(result, self.args.output_json)
+        _write_json(result, self.args.output_json)
         self.out(f"result written to {self.args.output_json}")
         self._plot(result)
         return result
@@ -84,20 +136,14 @@ class LoadRun:
     def _reference(self, trace):
         if self.args.no_reference:
             return None
-        from kev_async.bench.load_systems import solo_reference
-
         cache = Path(self.args.output_json).with_name("load-solo-reference.json")
         return solo_reference(self.model, self.options, trace, cache, out=self.out)
 
     def _systems(self, trace, reference, result: dict, rate: float):
         """Each system in turn, the same trace; yields SystemRuns."""
-        from kev_async.bench import load_systems
-
         self.out("running: kev engine")
-        yield load_systems.run_engine(self.model, self.options, trace)
+        yield run_engine(self.model, self.options, trace)
         if not self.args.no_static:
-            from kev_async.bench.load_static import best_static, hf_model
-
             self.out(f"running: transformers static batching, sizes {self.args.hf_batch_sizes}")
             self.hf = self.hf or hf_model(self.model)
             best, sweep = best_static(self.hf, self.model, trace, self.args.hf_batch_sizes, self.args.hf_batch_timeout,
@@ -106,10 +152,8 @@ class LoadRun:
             yield best
         if self.args.via_kafka:
             self.out("running: kev via kafka (embedded broker, in-process worker)")
-            yield load_systems.run_kafka(self.model, self.options, trace)
+            yield run_kafka(self.model, self.options, trace)
         if self.args.compare_url:
-            from kev_async.bench.load_http import run_openai
-
             self.out(f"running: {self.args.compare_url} ({self.args.compare_api})")
             yield run_openai(self.args.compare_url, self.model, trace, api=self.args.compare_api,
                              served_model=self.args.compare_model, extra_body=self.extra_body,
@@ -118,25 +162,26 @@ class LoadRun:
     def _plot(self, result: dict) -> None:
         if not self.args.plot:
             return
-        from kev_async.bench.load_plot import plot_load
-
         points = [{**p, "rate": float(p["rate"])} for p in result["points"]]
         title = (f"{result['model']} ({result['dtype']}), {result['cpu']}, {result['torch_threads']} threads; "
                  f"<= {self.args.max_new_tokens} new tokens, greedy")
-        Path(self.args.plot).parent.mkdir(parents=True, exist_ok=True)
         if plot_load(points, self.args.plot, title):
             self.out(f"plot written to {self.args.plot}")
 
 
 def trace_stats(model, trace: list[TraceQuestion]) -> dict:
-    from kev_async.bench.load_static import prompt_ids
-
     lengths = [len(prompt_ids(model, q)) for q in trace]
     return {"questions": len(trace), "arrival_span_s": trace[-1].arrival_s - trace[0].arrival_s,
             "long_questions": sum(q.kind == "long" for q in trace),
             "prompt_tokens_mean": statistics.mean(lengths), "prompt_tokens_max": max(lengths),
             "budget_mean": statistics.mean(q.max_new_tokens for q in trace),
             "budget_max": max(q.max_new_tokens for q in trace)}
+
+
+def _write_json(result: dict, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result, indent=1, default=str))
 
 
 def _json_object(text: str) -> dict:

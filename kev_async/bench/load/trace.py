@@ -2,7 +2,8 @@
 
 Arrivals are a Poisson process (exponential gaps) at `rate` questions/s, or all at time 0 when the rate
 is infinite. The question mix and the budgets are drawn from their own seeded generator, so the same
-seed gives the same questions at every rate: a sweep over rates only rescales the gaps.
+seed gives the same questions at every rate: a sweep over rates only rescales the gaps. Each trace
+question becomes the QuestionEvent (and the prompt token ids) every Kev system is given.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import math
 import random
 from dataclasses import dataclass
 
-from kev_async.bench.load_texts import LONG_TASKS, PASSAGES, SYSTEM_PROMPT_TEXT
-from kev_async.bench.questions import QUESTIONS
+from engine.prompt import encode_prompt
+from kev_async.bench.load.texts import LONG_TASKS, PASSAGES, SYSTEM_PROMPT_TEXT
+from kev_async.sample_questions import QUESTIONS
+from schemas import Params, QuestionEvent
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,17 @@ class TraceQuestion:
     system: str | None
     max_new_tokens: int
     kind: str  # "short" | "long"
+
+
+def question_event(q: TraceQuestion, *, stream: bool = False) -> QuestionEvent:
+    """The question as Kev takes it: greedy, with the question's own answer budget."""
+    return QuestionEvent(question_id=q.qid, prompt=q.prompt, system=q.system, stream=stream,
+                         params=Params(max_new_tokens=q.max_new_tokens, temperature=0.0))
+
+
+def prompt_ids(model, q: TraceQuestion) -> list[int]:
+    """The token ids Kev feeds the model for `q` (its chat template applied)."""
+    return encode_prompt(model.tokenizer, question_event(q))
 
 
 @dataclass(frozen=True)

@@ -13,23 +13,10 @@ import time
 from collections import deque
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kev_async.bench.load_report import Outcome, SystemRun
-from kev_async.bench.load_trace import TraceQuestion
-
-
-def hf_model(model):
-    """transformers' own model on the same weights and precision as Kev's."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()
-
-
-def prompt_ids(model, q: TraceQuestion) -> list[int]:
-    from engine.prompt import encode_prompt
-    from kev_async.bench.load_systems import question_event
-
-    return encode_prompt(model.tokenizer, question_event(q))
+from kev_async.bench.load.report import Outcome, SystemRun
+from kev_async.bench.load.trace import TraceQuestion, prompt_ids
 
 
 class _StepClock:
@@ -51,8 +38,6 @@ class _StepClock:
 
 def _per_row_budget(budgets: list[int], width: int):
     """A stopping criterion that ends each row at its own max_new_tokens (generate takes only one)."""
-    from transformers import StoppingCriteria
-
     limits = torch.tensor(budgets)
 
     class PerRowBudget(StoppingCriteria):
@@ -71,8 +56,6 @@ def _trim(tokens: list[int], eos: tuple[int, ...], budget: int) -> list[int]:
 
 
 def generate_batch(hf, model, batch: list[TraceQuestion], prompts: dict[str, list[int]], t0: float) -> list[Outcome]:
-    from transformers import StoppingCriteriaList
-
     eos = tuple(model.spec.eos_token_ids)
     rows = [prompts[q.qid] for q in batch]
     width = max(map(len, rows))

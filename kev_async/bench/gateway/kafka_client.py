@@ -1,0 +1,57 @@
+"""The direct path of `kev bench gateway`: QuestionEvents published to kev.questions by a plain aiokafka
+client that reads their answers from a reply topic of its own, as the gateway does."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from consumers import create_topics
+from kev_async.gateway.replies import FETCH_MAX_WAIT_MS
+from schemas import Message, Params, QuestionEvent, decode_answer, encode
+from schemas.signing import QUESTION, Signer
+
+
+class DirectClient:
+    """Publish QuestionEvents and read their answers from a reply topic of its own, as the gateway does."""
+
+    def __init__(self, kafka, max_new_tokens: int, prompt: str) -> None:
+        self.kafka, self.max_new_tokens, self.prompt = kafka, max_new_tokens, prompt
+        # Signed, and a reply topic of the allowed pattern: as the gateway's, or the worker would not reply there.
+        self.signer = Signer.from_config(kafka.trust)
+        self.topic = f"kev.replies.bench-{uuid.uuid4().hex[:8]}"
+        self.producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=0)
+        self.consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
+                                         auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS)
+
+    async def start(self) -> None:
+        await create_topics(self.kafka.bootstrap_servers, {self.topic: 1})
+        await self.producer.start()
+        await self.consumer.start()
+
+    async def stop(self) -> None:
+        await self.producer.stop()
+        await self.consumer.stop()
+
+    async def round(self, concurrency: int) -> list[float]:
+        """`concurrency` questions published at once; each one's seconds from its send to its answer."""
+        sent: dict[str, float] = {}
+        for i in range(concurrency):
+            # The very question the gateway makes of its HTTP twin (messages, not a bare prompt).
+            question = QuestionEvent(question_id=f"direct-{uuid.uuid4().hex}",
+                                     messages=(Message(role="user", content=self.prompt.format(i=i)),),
+                                     params=Params(max_new_tokens=self.max_new_tokens), reply_topic=self.topic)
+            sent[question.question_id] = time.perf_counter()
+            value = encode(question)
+            await self.producer.send(self.kafka.questions_topic, value, key=question.question_id.encode(),
+                                     headers=self.signer.headers(value, QUESTION))
+        latencies = []
+        while len(latencies) < concurrency:
+            for records in (await self.consumer.getmany(timeout_ms=1000)).values():
+                for record in records:
+                    started = sent.pop(decode_answer(record.value).question_id, None)
+                    if started is not None:
+                        latencies.append(time.perf_counter() - started)
+        return latencies

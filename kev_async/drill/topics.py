@@ -1,0 +1,94 @@
+"""The drill's own Kafka clients: questions published over time, every answer record read, and the
+consumer group's commits."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import anyio
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from kev_async.sample_questions import QUESTIONS
+from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
+
+
+async def publish_over_time(kafka: KafkaConfig, options, sent: dict[str, tuple[int, int]],
+                            note: Callable[[str], None]) -> None:
+    """options.questions questions, evenly over options.spread_s; `sent` gets each one's (partition, offset)."""
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", enable_idempotence=False)
+    await producer.start()
+    try:
+        gap = options.spread_s / max(1, options.questions)
+        chooser = random.Random(0)  # random, not cyclic: a cycle would line up with round_robin's own cycle
+        topic = kafka.intake_topic if options.route else kafka.questions_topic
+        begin = time.monotonic()
+        for i in range(options.questions):
+            qid = f"drill-{i:04d}"
+            system = chooser.choice(options.system_prompts) if options.system_prompts else None
+            question = QuestionEvent(question_id=qid, prompt=QUESTIONS[i % len(QUESTIONS)], system=system,
+                                     params=Params(max_new_tokens=options.max_new_tokens, temperature=0.0))
+            meta = await producer.send_and_wait(topic, encode(question), key=qid.encode())
+            sent[qid] = (meta.partition, meta.offset)
+            await anyio.sleep(max(0.0, begin + (i + 1) * gap - time.monotonic()))
+        note(f"published {options.questions} questions over {time.monotonic() - begin:.1f}s")
+    finally:
+        await producer.stop()
+
+
+async def read_answers(kafka: KafkaConfig, answers: list, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """Every answer record, (AnswerEvent, record) in arrival order, appended to `answers` until cancelled."""
+    consumer = AIOKafkaConsumer(kafka.answers_topic, bootstrap_servers=kafka.bootstrap_servers,
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    task_status.started()
+    try:
+        while True:
+            batch = await consumer.getmany(timeout_ms=100)
+            for records in batch.values():
+                answers.extend((decode_answer(record.value), record) for record in records)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await consumer.stop()
+
+
+async def until_committed(kafka: KafkaConfig, sent: dict[str, tuple[int, int]], timeout: float) -> bool:
+    """Whether the group's commits came to cover every sent question within `timeout` seconds."""
+    ends = {}
+    for partition, offset in sent.values():
+        ends[partition] = max(ends.get(partition, 0), offset + 1)
+    with anyio.move_on_after(timeout):
+        while True:
+            done = await committed(kafka)
+            if all((done.get(p) or 0) >= end for p, end in ends.items()):
+                return True
+            await anyio.sleep(0.5)
+    return False
+
+
+async def positions(kafka: KafkaConfig, count: int) -> dict[str, tuple[int, int]]:
+    """question_id (the record key) -> (partition, offset) of every question on the questions topic."""
+    consumer = AIOKafkaConsumer(kafka.questions_topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    found = {}
+    try:
+        with anyio.move_on_after(30):
+            while len(found) < count:
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    found.update({r.key.decode(): (r.partition, r.offset) for r in records})
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def committed(kafka: KafkaConfig) -> dict[int, int | None]:
+    """The group's committed position on each questions partition (None: nothing committed)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return {p: await consumer.committed(TopicPartition(kafka.questions_topic, p)) for p in range(kafka.partitions)}
+    finally:
+        await consumer.stop()
