@@ -103,6 +103,15 @@ def test_completion(client):
     assert 1 <= completion.usage.completion_tokens <= 6
 
 
+def test_completion_continues_the_prompt_as_given(client, tiny_model):
+    # As OpenAI's and llama.cpp's /v1/completions: the prompt's own tokens, no chat template around them.
+    prompt = "Once upon a time"
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert completion.usage.prompt_tokens == len(tiny_model.tokenizer.encode(prompt))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)
+    assert chat.usage.prompt_tokens > completion.usage.prompt_tokens  # the template's tokens around the prompt
+
+
 def test_seeded_stream_joins_to_the_same_text_as_the_whole_answer(client):
     params = dict(model=MODEL, messages=SEA, max_tokens=24, temperature=0.9, seed=11)
     whole = client.chat.completions.create(**params).choices[0].message.content
@@ -526,11 +535,12 @@ class _PublisherWithABug:
 
 
 def test_a_crash_before_the_response_is_openai_s_500_and_counted():
-    from kev_async.gateway.app import Gateway, create_app
+    from kev_async.gateway.app import create_app
     from kev_async.gateway.auth import Authenticator
     from kev_async.gateway.catalog import ModelCatalog
     from kev_async.gateway.metrics import GatewayMetrics
     from kev_async.gateway.replies import ReplyRouter
+    from kev_async.gateway.state import Gateway
     from schemas import KevConfig
 
     cfg = KevConfig()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -31,8 +30,9 @@ from kev_async.observe.metrics import Metrics
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, ErrorInfo, KevConfig, Params, QuestionEvent, Timings, Usage
 
-pytest.register_assert_rewrite("kafka_fixtures")
+pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import kafka_config, produce, read_topic  # noqa: E402
+from serve_fixtures import free_port, http_get  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures"]
 pytestmark = pytest.mark.anyio
@@ -57,27 +57,6 @@ def model(harness, smollm2_tokenizer):
                                       max_position_embeddings=512, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
     return harness.kev_model_from_hf(transformers.LlamaForCausalLM(config).eval(), smollm2_tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def http_get(port: int, path: str = "/metrics", method: str = "GET") -> tuple[int, dict, str]:
-    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(f"{method} {path} HTTP/1.0\r\nHost: test\r\n\r\n".encode())
-        raw = b""
-        try:
-            while True:
-                raw += await stream.receive()
-        except anyio.EndOfStream:
-            pass
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in header_lines)
-    return int(status_line.split()[1]), headers, body.decode()
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -121,13 +100,14 @@ async def run_workload(model, metrics: Metrics, count: int, port: int, on_idle=N
     return got
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the endpoint is uvicorn, on asyncio as `kev serve`
 async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     metrics, port, count = Metrics(), free_port(), 6
     seen = {}
 
     async def on_idle():
         status, headers, body = await http_get(port)
-        seen.update(status=status, content_type=headers.get("Content-Type", ""), scraped=samples(body))
+        seen.update(status=status, content_type=headers.get("content-type", ""), scraped=samples(body))
         url = f"http://127.0.0.1:{port}/metrics"
         seen["top_rc"] = await anyio.to_thread.run_sync(kev, ["top", "--once", "--url", url, "--interval", "0.1"])
         seen["frame"] = capsys.readouterr().out
@@ -212,6 +192,7 @@ def test_answer_timings_become_latencies_and_error_answers_count_by_code():
     assert value(scraped, "kev_answers_total", finish_reason="stop") == 0  # exists before the first
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the endpoint is uvicorn, on asyncio as `kev serve`
 async def test_endpoint_answers_only_get_metrics_and_a_taken_port_is_a_clear_error():
     metrics = Metrics()
     async with metrics.endpoint(free_port()) as port:
@@ -220,7 +201,7 @@ async def test_endpoint_answers_only_get_metrics_and_a_taken_port_is_a_clear_err
         # A liveness probe: healthy or not, nothing more (no Kafka loop watched: nothing to be unhealthy about).
         assert (await http_get(port, "/health"))[::2] == (200, '{"status":"ok"}')
         status, headers, body = await http_get(port, "/metrics", "HEAD")
-        assert status == 200 and body == "" and int(headers["Content-Length"]) > 0
+        assert status == 200 and body == "" and int(headers["content-length"]) > 0
         async with await anyio.connect_tcp("127.0.0.1", port) as rude:  # garbage, then hang up
             await rude.send(b"\x00\x01 nonsense")
         assert (await http_get(port))[0] == 200  # still serving
@@ -298,7 +279,7 @@ async def test_serve_exports_engine_and_kafka_metrics(kafka_broker, model, monke
                     break
                 await anyio.sleep(0.1)
             status, headers, body = await http_get(port, "/health")  # the Kafka loop is consuming
-            assert (status, body, headers["Content-Type"]) == (200, '{"status":"ok"}', "application/json")
+            assert (status, body, headers["content-type"]) == (200, '{"status":"ok"}', "application/json")
             url = f"http://127.0.0.1:{port}/metrics"
             top_rc = await anyio.to_thread.run_sync(kev, ["top", "--once", "--url", url, "--interval", "0.1"])
             shutdown.request("test over")

@@ -51,12 +51,12 @@ async def test_metrics_host_all_interfaces_is_reachable_from_outside_loopback():
         pytest.skip("no non-loopback IPv4 address on this host")
     async with Metrics().endpoint(_free_port(), host="0.0.0.0") as port:
         response = await get_metrics(address, port)
-    assert response.startswith(b"HTTP/1.0 200") and b"kev_kv_blocks_free" in response
+    assert response.startswith(b"HTTP/1.1 200") and b"kev_kv_blocks_free" in response
     # The default stays loopback only: the same request from outside is refused.
     async with Metrics().endpoint(_free_port()) as port:
         with pytest.raises(OSError):
             await get_metrics(address, port)
-        assert (await get_metrics("127.0.0.1", port)).startswith(b"HTTP/1.0 200")
+        assert (await get_metrics("127.0.0.1", port)).startswith(b"HTTP/1.1 200")
 
 
 def test_serve_passes_metrics_host_to_the_endpoint():

@@ -8,7 +8,9 @@ from functools import partial
 
 import msgspec
 
-EMBEDDED = "embedded"  # consumers.EMBEDDED, without importing aiokafka for `kev --help`
+from kev_async.settings import load_config
+from schemas import DEFAULT_CONFIG, EMBEDDED_BROKER, ConfigError
+
 
 DESCRIPTION = """\
 Serve OpenAI's HTTP API (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, plus
@@ -42,21 +44,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway.add_argument("--config", default=None, help="a kev.yaml (default: built-in defaults + KEV_* env)")
     gateway.add_argument("--bootstrap-servers", default=None,
                          help="HOST:PORT[,HOST:PORT] of the brokers the workers use (kafka.bootstrap_servers)")
-    gateway.add_argument("--host", default=None, help="address to listen on (gateway.host, default 127.0.0.1)")
-    gateway.add_argument("--port", type=int, default=None, help="port to listen on (gateway.port, default 8000)")
+    gateway.add_argument("--host", default=None,
+                         help=f"address to listen on (gateway.host, default {DEFAULT_CONFIG.gateway.host})")
+    gateway.add_argument("--port", type=int, default=None,
+                         help=f"port to listen on (gateway.port, default {DEFAULT_CONFIG.gateway.port})")
     gateway.add_argument("--processes", type=int, default=None,
-                         help="gateway processes sharing the port (gateway.processes, default 1)")
+                         help="gateway processes sharing the port (gateway.processes, "
+                              f"default {DEFAULT_CONFIG.gateway.processes})")
     gateway.add_argument("--allow-anonymous", action="store_true", default=None,
                          help="serve callers without an API key beyond the loopback (gateway.allow_anonymous)")
     gateway.set_defaults(func=_gateway)
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    # aiokafka, starlette and uvicorn load when the gateway runs, not for `kev --help` (it imports every command)
     from kev_async.gateway.processes import CHILD_DRAIN_S, PARENT_DRAIN_S, ChildExited, run_gateway_processes
     from kev_async.gateway.server import run_gateway, run_until_stopped
-    from kev_async.logs import configure_logging
-    from kev_async.settings import load_config
-    from schemas import ConfigError
 
     try:
         cfg = load_config(args.config)
@@ -76,7 +79,7 @@ def _gateway(args: argparse.Namespace) -> int:
             print(f"kev gateway: {str(error).replace('`$', '`gateway')}", file=sys.stderr)
             return 2
         cfg = msgspec.structs.replace(cfg, gateway=gateway)
-    if cfg.kafka.bootstrap_servers == EMBEDDED:
+    if cfg.kafka.bootstrap_servers == EMBEDDED_BROKER:
         print("kev gateway: give the brokers the workers use (--bootstrap-servers or kafka.bootstrap_servers); "
               "`kev demo --http` runs a worker and the gateway together on the embedded broker", file=sys.stderr)
         return 2
@@ -84,6 +87,7 @@ def _gateway(args: argparse.Namespace) -> int:
     if refused:
         print(f"kev gateway: {refused}", file=sys.stderr)
         return 2
+    from kev_async.logs import configure_logging  # structlog and rich: not loaded for `kev --help`
     configure_logging(cfg.logging.level, cfg.logging.json)
     if cfg.gateway.processes == 1:
         serve, drain_deadline = run_gateway, CHILD_DRAIN_S
@@ -101,6 +105,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _refusal(cfg) -> str | None:
     """Why this config must not serve (unreadable API keys, exposed without keys, unsigned with tenants)."""
+    # starlette (the gateway's errors) loads only when the gateway runs, not for `kev --help`
     from kev_async.gateway.auth import Authenticator
     from kev_async.gateway.exposure import GatewayRefused, check_exposure
 

@@ -13,9 +13,7 @@ shape; a 500 means a bug in the gateway.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -24,83 +22,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kev_async.gateway.auth import Authenticator
-from kev_async.gateway.callers import Caller, TenantSlots, caller_of, new_question_id
-from kev_async.gateway.catalog import ModelCatalog
-from kev_async.gateway.errors import HANDLERS, ApiError, bad_request, internal_error
-from kev_async.gateway.metrics import CONTENT_TYPE, GatewayMetrics, ObserveRequests
+from kev_async.gateway.callers import new_question_id
+from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
+from kev_async.gateway.metrics import CONTENT_TYPE, ObserveRequests
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
-from kev_async.gateway.publisher import BrokerUnavailable, QuestionPublisher
-from kev_async.gateway.replies import Pending, ReplyRouter
+from kev_async.gateway.replies import Pending
+from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
-from schemas import AnswerEvent, KevConfig, QuestionEvent
+from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.gateway")
 
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
 _JSON = msgspec.json.Encoder()
-CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the openai client's own timeout, in seconds
-
-
-@dataclass
-class Gateway:
-    """Everything the routes share; built and started by kev_async.gateway.server."""
-
-    cfg: KevConfig
-    publisher: QuestionPublisher
-    replies: ReplyRouter
-    catalog: ModelCatalog
-    auth: Authenticator
-    metrics: GatewayMetrics
-    slots: TenantSlots = field(default=None)  # type: ignore[assignment]  # None: from cfg
-
-    def __post_init__(self) -> None:
-        if self.slots is None:
-            self.slots = TenantSlots(self.cfg.gateway.max_concurrent_per_tenant)
-
-    def caller(self, authorization: str | None) -> Caller:
-        return caller_of(self.auth.tenant(authorization), self.cfg.gateway)
-
-    def deadline_ms(self, request: Request, stream: bool) -> int:
-        """The question's timeout_ms: the configured deadline, shortened by a whole-response client timeout."""
-        limit = self.cfg.gateway.request_timeout_ms or self.cfg.aggregator.timeout_ms
-        client = client_timeout_ms(request.headers.get(CLIENT_TIMEOUT_HEADER))
-        if client is not None and not stream:  # for a stream it bounds each chunk, not the whole answer
-            limit = min(limit, client)
-        return limit
-
-    async def cancel(self, question_id: str) -> None:
-        self.metrics.cancels.inc()
-        await self.publisher.cancel(question_id)
-
-    async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
-        """Publish; if the broker does not ack in time the question may still be delivered later, so it is
-        cancelled too (a worker remembers a cancel that overtakes its question)."""
-        try:
-            await self.publisher.publish(question, arrived_ms)
-        except BrokerUnavailable as error:
-            self.metrics.publish_failures.inc()
-            await self.cancel(question.question_id)
-            error.headers = {"x-request-id": question.question_id}  # the id its cancel names
-            raise
-
-
-def client_timeout_ms(value: str | None) -> int | None:
-    """The client's whole-request timeout in ms; None when absent or infinite; 400 when not a positive number."""
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if seconds == math.inf:
-        return None
-    if not seconds > 0:  # NaN too
-        raise bad_request(f"{CLIENT_TIMEOUT_HEADER}: expected a positive number of seconds, got {value[:40]!r}",
-                          param=CLIENT_TIMEOUT_HEADER, code="invalid_header")
-    return max(1, int(min(seconds, 1e9) * 1000))
 
 
 def create_app(gateway: Gateway) -> ObserveRequests:
@@ -120,9 +56,11 @@ def create_app(gateway: Gateway) -> ObserveRequests:
 
 class AnswerRoutes:
     """ASGI: the two answer routes' POSTs go straight to their handler; everything else (and a wrong
-    method on them) goes through Starlette. At 64 concurrent requests the event loop's time per request,
-    queued, is the latency the gateway adds, and Starlette's layers (error and exception middleware,
-    routing, the endpoint wrappers) were a tenth of its CPU. Same responses and errors either way."""
+    method on them) goes through Starlette. Same responses and errors either way."""
+
+    # Why a bypass: at 64 concurrent requests the event loop's time per request, queued, is the latency the
+    # gateway adds, and Starlette's layers (error and exception middleware, routing, the endpoint wrappers)
+    # were a tenth of its CPU.
 
     ROUTES = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
 
@@ -229,12 +167,10 @@ async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait
 
 
 async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> AnswerEvent | None:
-    """The answer, or None if the client hangs up or `wait_s` passes first.
-
-    Plain asyncio rather than an anyio task group with a watcher task and a cancel scope: ~40 instead of
-    ~190 µs of the event loop per request, and at 64 concurrent requests the loop's time per request, queued,
-    is the latency the gateway adds.
-    """
+    """The answer, or None if the client hangs up or `wait_s` passes first."""
+    # Plain asyncio rather than an anyio task group with a watcher task and a cancel scope: ~40 instead of
+    # ~190 µs of the event loop per request, and at 64 concurrent requests the loop's time per request,
+    # queued, is the latency the gateway adds.
     hangup = asyncio.ensure_future(watch_disconnect(receive, None))
     try:
         await asyncio.wait((pending.answered, hangup), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)

@@ -140,8 +140,8 @@ def to_question(request: ChatRequest | CompletionRequest, *, question_id: str, t
         event["adapter"] = adapter
     if isinstance(request, ChatRequest):
         event["messages"] = [_message(i, m) for i, m in enumerate(request.messages)]
-    else:
-        event["prompt"] = _prompt(request.prompt)
+    else:  # a plain continuation of the prompt, as OpenAI's and llama.cpp's /v1/completions are
+        event["prompt"], event["raw"] = _prompt(request.prompt), True
     try:
         return decode_question(msgspec.json.encode(event), max_prompt_chars=max_prompt_chars)
     except InvalidQuestion as bad:

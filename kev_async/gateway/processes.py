@@ -37,7 +37,8 @@ import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
-from kev_async.gateway.server import listen, socket_url
+from kev_async.gateway.server import listen, run_gateway, run_until_stopped, socket_url
+from kev_async.logs import configure_logging
 from schemas import KevConfig
 
 log = structlog.get_logger("kev.gateway.processes")
@@ -174,9 +175,6 @@ async def _start(process, cfg: KevConfig, index: int) -> GatewayChild:
 
 def main() -> int:
     """A child: the config from stdin, the socket from the inherited descriptor, then one gateway."""
-    from kev_async.gateway.server import run_until_stopped
-    from kev_async.logs import configure_logging
-
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=KevConfig)
     sock = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
     configure_logging(cfg.logging.level, cfg.logging.json)
@@ -185,8 +183,6 @@ def main() -> int:
 
 async def _serve_child(cfg: KevConfig, sock: socket.socket, shutdown: Any, *,
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    from kev_async.gateway.server import run_gateway
-
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_when_orphaned, shutdown)
         running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock))

@@ -10,7 +10,7 @@ finish; the reply topic is deleted on the way out (best effort).
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import socket
 import sys
 import uuid
@@ -20,20 +20,23 @@ from typing import Any
 
 import anyio
 import structlog
+import uvicorn
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
-import uvicorn
 
 from consumers import EMBEDDED
 from consumers.security import client_options
-from kev_async.gateway.app import Gateway, create_app
+from kev_async.gateway.app import create_app
 from kev_async.gateway.auth import Authenticator
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
 from kev_async.gateway.exposure import check_exposure
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.publisher import QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
+from kev_async.gateway.state import Gateway
+from kev_async.runtime.embedded_uvicorn import EmbeddedUvicorn
+from kev_async.runtime.lifecycle import run_service
 from schemas import KafkaConfig, KevConfig
 
 log = structlog.get_logger("kev.gateway.server")
@@ -109,20 +112,14 @@ def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside Kev's process: Kev owns SIGINT/SIGTERM (its drain), so uvicorn installs no handlers."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
 async def _serve_http(app, sock: socket.socket, shutdown: Any, stopped: anyio.Event) -> None:
-    """uvicorn with the httptools parser: per request it spends about half the CPU of hypercorn/h11, and at
-    64 concurrent requests that CPU, serial in one event loop, is most of the latency the gateway adds."""
+    """Serve `app` on `sock` with uvicorn until shutdown is requested, then set `stopped`."""
+    # The httptools parser: per request it spends about half the CPU of hypercorn/h11, and at 64 concurrent
+    # requests that CPU, serial in one event loop, is most of the latency the gateway adds.
     config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_config=None,
                             log_level="warning", timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S, backlog=BACKLOG,
                             proxy_headers=False)  # X-Forwarded-For is never read: the client's address is unused
-    server = _EmbeddedUvicorn(config)
+    server = EmbeddedUvicorn(config)
 
     async def exit_on_shutdown() -> None:
         await shutdown.requested.wait()
@@ -162,8 +159,6 @@ def run_until_stopped(serve, drain_deadline: float, who: str) -> int:
     """`serve(shutdown, task_status=...)` under run_service on asyncio (uvloop where installed) until it
     stops. Brokers it cannot reach or a port it cannot listen on end it with one line on stderr, naming
     `who`, and exit code 1; anything else keeps its traceback."""
-    from kev_async.runtime.lifecycle import run_service
-
     try:
         return anyio.run(partial(run_service, serve, drain_deadline=drain_deadline), backend="asyncio",
                          backend_options={"use_uvloop": has_uvloop()})
@@ -192,6 +187,4 @@ def _startup_failure(group: BaseExceptionGroup) -> str | None:
 def has_uvloop() -> bool:
     """uvloop's event loop takes ~30% less CPU per request than asyncio's; without it (not on Windows) the
     gateway runs on plain asyncio."""
-    import importlib.util
-
     return importlib.util.find_spec("uvloop") is not None

@@ -10,7 +10,6 @@ the `finally` sends the question's cancel, shielded, so the worker frees its KV 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio import CancelScope
@@ -21,10 +20,8 @@ from kev_async.gateway.errors import ApiError
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wants_usage_in_stream
 from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, audit_json, raise_for_error, sse
 from kev_async.gateway.replies import Pending
+from kev_async.gateway.state import Gateway
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
-
-if TYPE_CHECKING:
-    from kev_async.gateway.app import Gateway
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -41,7 +38,7 @@ async def watch_disconnect(receive: Receive, scope: CancelScope | None) -> None:
 
 
 class AnswerStream:
-    def __init__(self, gateway: "Gateway", question: QuestionEvent, request: ChatRequest | CompletionRequest, *,
+    def __init__(self, gateway: Gateway, question: QuestionEvent, request: ChatRequest | CompletionRequest, *,
                  caller: Caller, chat: bool, wait_s: float, started: float, arrived_ms: int) -> None:
         self.gateway, self.question, self.wait_s, self.started = gateway, question, wait_s, started
         self.caller, self.arrived_ms = caller, arrived_ms

@@ -79,7 +79,7 @@ def scrape(url: str, timeout: float = 5.0) -> Sample:
         raise Unreachable(f"{url} serves metrics, but none of Kev's")
     if not any(name in WORKER_METRICS for name, _ in values):  # e.g. a gateway's /metrics
         raise Unreachable(f"{url} serves Kev metrics, but not a worker's: point --url at a `kev serve` "
-                          f"worker's metrics port (metrics.port, {DEFAULT_PORT} by default; `kev demo` serves none)")
+                          f"worker's metrics port (metrics.port, {DEFAULT_PORT} by default; `kev demo` prints its own)")
     return Sample(time.monotonic(), values)
 
 

@@ -10,9 +10,17 @@ shapes, so a forward of any size renders exactly, and with a cell grid when it i
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
+
+from kev_async.observe.audit import check_log, format_report, read_audit_log
+from schemas import DEFAULT_MODEL, Params, QuestionEvent
 
 GRID_BELOW = 200  # draw every cell's grid line when both rows and keys are fewer than this
 LABEL_EVERY_BELOW = 64  # label every key/row tick when the axis has fewer cells than this
@@ -68,6 +76,7 @@ def _visible(b: _Block, left: float, right: float) -> list[tuple[float, float]]:
 def render_forward(record: dict, output: Path | str, *, size_in: float = 8.0, dpi: int = 100,
                    title_prefix: str = "") -> Drawn:
     """Draw `record` (one forward.mask record) to a PNG of size_in x size_in inches at `dpi`."""
+    # matplotlib is heavy: loaded when drawing, not by `kev audit check`
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -173,22 +182,19 @@ def _ticks(ax, blocks: list[_Block], rows: int, keys: int) -> None:
         ax.axvline(b.col, color="#808080", linewidth=0.6, linestyle=":", zorder=0.6)
 
 
-# -- docs/mask.png: `python -m kev_async.observe.mask_picture [docs/mask.png]` ----------------------
+# -- the README's picture: `python -m kev_async.observe.mask_picture docs/mask.png` ------------------
+# (without a path it draws to .cache/mask.png, so a trial run leaves the tracked picture alone)
 
 DEMO_QUESTIONS = ["Hi", "What is 2+2?", "Write a haiku about autumn leaves falling slowly.", "Name three primes."]
 
 
-def record_demo_log(log_path: Path | str, model_name: str = "smollm2-135m-instruct") -> None:
+def record_demo_log(log_path: Path | str, model_name: str = DEFAULT_MODEL) -> None:
     """A real run with audit on, logged as structlog JSON lines: q0 and q1 start, q2 arrives at step 3 and
     q3 at step 4; a 32-token step budget chunks their prefills, so forward 5 packs two decodes, q2's
     second prefill chunk (keys cached by forward 4) and q3's first chunk."""
-    import logging
-
-    import structlog
-
+    # torch is heavy: the engine loads here, for this picture only, never for `kev audit`
     from engine import EngineCore, EngineOptions, load_model
     from engine.defaults import Defaults
-    from schemas import Params, QuestionEvent
 
     model = load_model(model_name, device="cpu", dtype="fp32")
     core = EngineCore(model, EngineOptions(audit=True, max_batch_size=8, max_tokens_per_step=32,
@@ -214,12 +220,8 @@ def record_demo_log(log_path: Path | str, model_name: str = "smollm2-135m-instru
 
 
 def _demo(argv: list[str] | None = None) -> int:
-    import sys
-    import tempfile
-
-    from kev_async.observe.audit import check_log, format_report, read_audit_log
-
-    output = (argv if argv is not None else sys.argv[1:] or ["docs/mask.png"])[0]
+    output = Path((argv if argv is not None else sys.argv[1:] or [".cache/mask.png"])[0])
+    output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "audit.log"
         record_demo_log(path)
@@ -233,6 +235,7 @@ def _demo(argv: list[str] | None = None) -> int:
         print(f"wrote {output}: {record.label}, {drawn.segments} questions, {drawn.rows} rows x "
               f"{drawn.keys} keys, {drawn.width}x{drawn.height} px")
         return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(_demo())

@@ -10,10 +10,9 @@
 
 Answer-level histograms and counters are updated as each answer leaves the engine actor. Everything
 that lives in other objects (the scheduler's queues, the KV pool, the mailboxes, the Kafka worker) is
-read when Prometheus scrapes, by a collector: no polling task, no thread. The endpoint is a small
-anyio TCP listener speaking just enough HTTP/1.0 for a scraper. It also answers GET /health for a
-liveness probe: 200 {"status":"ok"} while the watched Kafka loop is consuming, 503 otherwise; the
-body says nothing more.
+read when Prometheus scrapes, by a collector: no polling task, no thread. The endpoint (uvicorn, on the
+worker's asyncio loop: observe/metrics_endpoint.py) also answers GET /health for a liveness probe:
+200 {"status":"ok"} while the watched Kafka loop is consuming, 503 otherwise; the body says nothing more.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ from typing import Any, get_args
 
 import anyio
 import structlog
-from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
 
@@ -41,7 +39,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-MAX_REQUEST_HEAD = 8192
 
 
 class Metrics:
@@ -120,69 +117,20 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def scrape(self) -> bytes:
+        """The exposition text, Kafka lag sampled first."""
+        await self.live.sample_lag()
+        return self.render()
+
     @asynccontextmanager
     async def endpoint(self, port: int, host: str = "127.0.0.1") -> AsyncIterator[int | None]:
-        """Serve GET /metrics on host:port while the block runs; yields the port (None when port is 0)."""
+        """Serve GET /metrics and GET /health on host:port while the block runs, on this asyncio loop;
+        yields the port (None when port is 0: nothing served)."""
         if not port:
             yield None
             return
-        try:
-            listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        except OSError as error:
-            raise OSError(error.errno, f"cannot serve metrics on {host}:{port}: {error.strerror} "
-                                       "(set metrics.port to a free port, or 0 to turn metrics off)") from None
-        async with listener, anyio.create_task_group() as tg:
-            bound = listener.extra(SocketAttribute.local_port)
-            for socket_listener in listener.listeners:  # one per address family the host resolved to
-                tg.start_soon(self._accept, socket_listener, tg)
-            log.info("metrics.listening", url=f"http://{host}:{bound}/metrics")
-            try:
-                yield bound
-            finally:
-                tg.cancel_scope.cancel()
-
-    async def _accept(self, listener, tg) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as error:  # out of file descriptors, say: metrics pause, the service goes on
-                log.warning("metrics.accept_failed", error=repr(error))
-                await anyio.sleep(1)
-                continue
-            tg.start_soon(self._answer_http, stream)
-
-    async def _answer_http(self, stream: SocketStream) -> None:
-        # One bad or slow client must never take the service down: every failure ends only its connection.
-        async with stream:
-            try:
-                with anyio.fail_after(5):
-                    head = await BufferedByteReceiveStream(stream).receive_until(b"\r\n\r\n", MAX_REQUEST_HEAD)
-                    await stream.send(await self._response(head))
-            except Exception as error:  # noqa: BLE001 - see above
-                log.debug("metrics.request_failed", error=repr(error))
-
-    async def _response(self, head: bytes) -> bytes:
-        method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-        path = rest.partition(" ")[0].partition("?")[0]
-        if method not in ("GET", "HEAD"):
-            return _http(405, b"GET /metrics only\n", extra="Allow: GET, HEAD\r\n")
-        if path == "/health":
-            status = 200 if self.live.healthy() else 503
-            body = b'{"status":"ok"}' if status == 200 else b'{"status":"unhealthy"}'
-            return _http(status, body if method == "GET" else b"", "application/json", length=len(body))
-        if path != "/metrics":
-            return _http(404, b"metrics are at /metrics\n")
-        await self.live.sample_lag()
-        body = self.render()
-        return _http(200, body if method == "GET" else b"", CONTENT_TYPE_LATEST, length=len(body))
-
-
-def _http(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8", *, extra: str = "",
-          length: int | None = None) -> bytes:
-    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
-    head = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body) if length is None else length}\r\n{extra}Connection: close\r\n\r\n")
-    return head.encode("latin-1") + body
+        async with serve_metrics(MetricsRoutes(self.scrape, self.live.healthy), port, host) as bound:
+            yield bound
 
 
 def answer_fields(answer: AnswerEvent, source: Any, log_prompts: bool) -> dict[str, Any]:
