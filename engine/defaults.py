@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 from dataclasses import dataclass, replace
@@ -10,10 +9,9 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from engine.schedule.sequence import SamplingParams
-from schemas import DEFAULT_CONFIG, ENV_SHORTCUTS, SamplingConfig
+from schemas import DEFAULT_CONFIG, SamplingConfig
 
 _SAMPLING = DEFAULT_CONFIG.sampling
-_ENV_NAME = {key: name for name, key in ENV_SHORTCUTS.items()}  # ("sampling", "temperature") -> "KEV_TEMPERATURE"
 
 
 @dataclass(frozen=True)
@@ -32,15 +30,6 @@ class Defaults:
     def from_config(cls, sampling: SamplingConfig) -> "Defaults":
         """The first version of a config's sampling defaults."""
         return cls(**msgspec.structs.asdict(sampling))
-
-    @classmethod
-    def from_env(cls, env=os.environ, **overrides) -> "Defaults":
-        """Without a kev.yaml: the temperature's environment shortcut (KEV_TEMPERATURE), as the config
-        loader reads it, sets the default temperature when the caller gives none."""
-        name = _ENV_NAME["sampling", "temperature"]
-        if "temperature" not in overrides and env.get(name):
-            overrides["temperature"] = float(env[name])
-        return cls(**overrides)
 
 
 class DefaultsRegistry:

@@ -54,7 +54,7 @@ class EngineOptions:
     default_timeout_ms: int | None = None  # deadline for questions that set none; from_config: aggregator.timeout_ms
     routing_strategy: RoutingStrategy = _key("router.strategy")  # the routing bucket recorded in each audit
     routing_buckets: int = _key("router.channel_pool_size")
-    defaults: Defaults = field(default_factory=Defaults.from_env)
+    defaults: Defaults = field(default_factory=Defaults)  # KEV_TEMPERATURE etc. are read by the config loader alone
 
     @classmethod
     def from_config(cls, cfg: KevConfig, worker: str = "kev") -> "EngineOptions":

@@ -101,14 +101,15 @@ def test_defaults_update_rejects_unknown_names(tiny_models, harness):
 
 
 def test_kev_temperature_sets_the_default(tiny_models, harness, monkeypatch):
-    assert Defaults.from_env(env={"KEV_TEMPERATURE": "0.7"}).temperature == 0.7
-    assert Defaults.from_env(env={}).temperature == 0.0
-    assert Defaults.from_env(env={"KEV_TEMPERATURE": "0.7"}, temperature=0.2).temperature == 0.2
+    # The config loader is the one reader of KEV_TEMPERATURE; the engine takes it from the config.
+    from kev_async.settings import load_config
 
+    assert EngineOptions.from_config(load_config(env={"KEV_TEMPERATURE": "0.7"})).defaults.temperature == 0.7
+    assert EngineOptions.from_config(load_config(env={})).defaults.temperature == 0.0
     monkeypatch.setenv("KEV_TEMPERATURE", "0.7")
-    assert EngineOptions().defaults.temperature == 0.7
+    assert EngineOptions().defaults.temperature == 0.0  # a library caller's options: the schema's default
     model = tiny_models["llama"].kev
-    env_options = harness.tiny_options(defaults=EngineOptions().defaults)
+    env_options = harness.tiny_options(defaults=EngineOptions.from_config(load_config()).defaults)
     unset = tokens_of(harness, model, question(harness, seed=3), env_options)
     assert unset == tokens_of(harness, model, question(harness, seed=3, temperature=0.7))
     assert unset != tokens_of(harness, model, question(harness, temperature=0.0))

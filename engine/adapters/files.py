@@ -20,6 +20,7 @@ from pathlib import Path
 
 import structlog
 import torch
+from safetensors.torch import load
 
 log = structlog.get_logger("kev.lora")
 
@@ -205,8 +206,6 @@ def max_weights_bytes(spec) -> int:
 
 
 def _read_weights(name: str, path: Path, spec) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
     return load(read_adapter_file(name, path / WEIGHTS_FILE, max_weights_bytes(spec)))
 
 

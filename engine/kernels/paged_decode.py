@@ -59,7 +59,7 @@ def compiled(cflags: tuple[str, ...]):
     except Exception:  # not built on this machine yet (or not loadable): build it
         pass
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load_inline  # pulls in setuptools: only when a build is needed
 
         log.info("attention.paged_decode_building", note="once per machine, about a minute")
         module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
@@ -77,7 +77,7 @@ def _import_built(name: str):
     start waiting on it."""
     import importlib.util
 
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory  # as above: setuptools, only when loading a build
 
     library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
     spec = importlib.util.spec_from_file_location(name, library)

