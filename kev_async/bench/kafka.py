@@ -1,10 +1,14 @@
-"""`kev bench kafka`: the same questions through the bare engine and through Kafka (`kev serve` in
-process, embedded broker): the cost of the Kafka path."""
+"""`kev bench kafka`: the same questions, on the same arrival schedule, through the engine alone and
+through Kafka (`kev serve` workers in this process, the embedded broker): the cost of the Kafka path in
+throughput, in latency per question, and whether the answers and their token counts agree."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import time
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
@@ -12,7 +16,7 @@ import msgspec
 
 from kev_async.bench.model import bench_model
 from kev_async.sample_questions import QUESTIONS
-from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEvent
+from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
 
 # The engine, the worker and aiokafka are imported inside the functions that use them: `kev --help` imports
 # this module.
@@ -20,57 +24,183 @@ from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEve
 
 def register(kinds: argparse._SubParsersAction) -> None:
     kafka = kinds.add_parser(
-        "kafka", help="the same questions through the bare engine and through Kafka",
-        description="Answer N questions with the engine alone, then publish them to an embedded broker and "
-                    "read the answers back through `kev serve` (in process); prints both rates and the ratio.")
+        "kafka", help="the same questions through the engine alone and through Kafka",
+        description="Answer N questions with the engine alone (kev's Engine, the worker's options), then publish "
+                    "the same questions on the same schedule to an embedded broker and read the answers back "
+                    "from `kev serve` workers in this process. Prints tokens/s of both and their ratio, the "
+                    "latency each path gives a question (publish -> answer acked) and what Kafka adds, and "
+                    "whether every answer and its token count agree.")
     kafka.add_argument("--model", default=DEFAULT_MODEL)
     kafka.add_argument("--questions", type=int, default=64)
     kafka.add_argument("--max-new-tokens", type=int, default=32)
+    kafka.add_argument("--rate", type=float, default=math.inf,
+                       help="arrivals per second, evenly spaced (default: inf, all at once)")
+    kafka.add_argument("--workers", type=int, default=1, help="`kev serve` workers in this process (one group)")
     kafka.add_argument("--threads", type=int, default=None)
     kafka.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
+    if args.questions < 1 or args.workers < 1 or args.rate <= 0:
+        raise SystemExit("kev bench kafka: --questions, --workers and --rate must be positive")
     model = bench_model(args)
     cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
-    anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens),
-              backend="asyncio")
+    anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
+                                  rate=args.rate, workers=args.workers), backend="asyncio")
     return 0
 
 
-async def bench_kafka(cfg, model, *, num_questions: int, max_new_tokens: int, out=print) -> dict:
-    """The same questions through the bare engine and through Kafka (embedded broker), in one process."""
-    from engine import IsolatedBatchPipeline
-    from engine.prompt import as_question
+@dataclass
+class PathRun:
+    """One path's answers: per question id, its token ids and its latency from arrival to answer."""
+
+    name: str
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    # Through Kafka only, per question, in seconds: the worker's time outside the engine (fetch, decode,
+    # tokenize, then answer encode and produce), the engine's own e2e, and answer delivery (ack, reader fetch).
+    stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+    def percentile(self, q: float) -> float:
+        return _percentile(list(self.latency_s.values()), q)
+
+
+def bench_questions(num_questions: int, max_new_tokens: int) -> list[QuestionEvent]:
+    texts = (QUESTIONS * (num_questions // len(QUESTIONS) + 1))[:num_questions]
+    return [QuestionEvent(question_id=f"bench-{i}", prompt=text, params=Params(max_new_tokens=max_new_tokens,
+                                                                                temperature=0.0))
+            for i, text in enumerate(texts)]
+
+
+def arrival_offsets(count: int, rate: float) -> list[float]:
+    """Seconds after the start at which each question arrives: evenly spaced, or all at 0."""
+    return [0.0 if math.isinf(rate) else i / rate for i in range(count)]
+
+
+async def bench_kafka(cfg: KevConfig, model, *, num_questions: int, max_new_tokens: int, rate: float = math.inf,
+                      workers: int = 1, out=print) -> dict:
+    """Both paths over the same questions and schedule, in one process; prints a table, returns the figures."""
+    questions = bench_questions(num_questions, max_new_tokens)
+    offsets = arrival_offsets(num_questions, rate)
+    engine = await engine_alone(cfg, model, questions, offsets)
+    kafka = await through_kafka(cfg, model, questions, offsets, workers)
+    return report(cfg, model, engine, kafka, rate=rate, workers=workers, max_new_tokens=max_new_tokens, out=out)
+
+
+async def engine_alone(cfg: KevConfig, model, questions: list[QuestionEvent], offsets: list[float]) -> PathRun:
+    """kev's Engine with the options a worker builds from `cfg`: each question submitted at its arrival."""
+    from engine import Engine, EngineOptions  # torch: not for `kev --help`
+
+    run = PathRun("engine alone (Engine, the worker's options)")
+    async with Engine(model, EngineOptions.from_config(cfg, worker="bench")) as engine:
+        start = time.monotonic()
+
+        async def ask(question: QuestionEvent, offset: float) -> None:
+            await anyio.sleep_until(start + offset)
+            arrived = time.monotonic()
+            answer = await engine.wait(await engine.submit(question, arrival=arrived))
+            run.latency_s[question.question_id] = time.monotonic() - arrived
+            run.tokens[question.question_id] = list(answer.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for question, offset in zip(questions, offsets):
+                tg.start_soon(ask, question, offset)
+        run.seconds = time.monotonic() - start
+    return run
+
+
+async def through_kafka(cfg: KevConfig, model, questions: list[QuestionEvent], offsets: list[float],
+                        workers: int) -> PathRun:
+    """`workers` in-process `kev serve`s on a fresh embedded broker (its answers topic starts empty): each question published at its arrival,
+    its latency counted until its answer is read back (the broker has acked it by then)."""
+    from consumers import embedded_kafka  # aiokafka and the broker: not for `kev --help`
     from kev_async.app import serve
-    from kev_async.demo import publish_questions, read_answers
     from kev_async.runtime.lifecycle import Shutdown
 
-    texts = (QUESTIONS * 32)[:num_questions]
-    pipe = IsolatedBatchPipeline(model, max_batch_size=cfg.router.max_parallel_queries)
-    started = time.perf_counter()
-    answers = await anyio.to_thread.run_sync(lambda: pipe.run(
-        [as_question(t, i) for i, t in enumerate(texts)], max_new_tokens=max_new_tokens, temperature=0.0))
-    engine_seconds = time.perf_counter() - started
-    engine_tokens = sum(a.usage.completion_tokens for a in answers)
-    del pipe
-    shutdown = Shutdown(drain_deadline=30)
-    questions = [QuestionEvent(question_id=f"bench-{i}", prompt=t, params=Params(max_new_tokens=max_new_tokens))
-                 for i, t in enumerate(texts)]
-    async with anyio.create_task_group() as tg:
-        running = await tg.start(partial(serve, cfg, shutdown, model=model))
-        started = time.perf_counter()  # broker and group start-up are excluded: the service is ready
-        await publish_questions(cfg, running.bootstrap_servers, questions)
-        summary = await read_answers(cfg, running.bootstrap_servers, len(questions), lambda _line: None)
-        kafka_seconds = time.perf_counter() - started
-        shutdown.request("bench finished")
-    rows = {"engine alone (IsolatedBatchPipeline)": (engine_tokens, engine_seconds),
-            "through Kafka (kev serve, embedded broker)": (summary["tokens"], kafka_seconds)}
-    out(f"model {model.name}, {num_questions} questions, <= {max_new_tokens} new tokens, greedy, "
-        f"max_parallel_queries {cfg.router.max_parallel_queries}")
-    out("| path | tokens | seconds | tokens/s |\n|---|---:|---:|---:|")
-    for name, (tokens, seconds) in rows.items():
-        out(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:.1f} |")
-    ratio = (summary["tokens"] / kafka_seconds) / (engine_tokens / engine_seconds)
-    out(f"through Kafka / engine alone = {ratio:.2f}x")
-    return {"ratio": ratio, "rows": rows}
+    run = PathRun("through Kafka (kev serve, embedded broker)")
+    async with embedded_kafka(cfg.kafka, cfg.broker) as kafka_cfg:
+        served = msgspec.structs.replace(cfg, kafka=kafka_cfg)
+        shutdown = Shutdown(drain_deadline=30)
+        async with anyio.create_task_group() as tg:
+            for _ in range(workers):
+                await tg.start(partial(serve, served, shutdown, model=model))
+            await _publish_and_read(kafka_cfg, questions, offsets, run)
+            shutdown.request("bench finished")
+    return run
+
+
+async def _publish_and_read(kafka_cfg, questions: list[QuestionEvent], offsets: list[float], run: PathRun) -> None:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # not for `kev --help`
+
+    published: dict[str, float] = {}  # time.time(): the answer record's timestamp is on the same clock
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_cfg.bootstrap_servers, acks="all", linger_ms=0)
+    consumer = AIOKafkaConsumer(kafka_cfg.answers_topic, bootstrap_servers=kafka_cfg.bootstrap_servers,
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
+                                fetch_max_wait_ms=kafka_cfg.fetch_max_wait_ms)
+    await producer.start()
+    await consumer.start()
+    try:
+        start = time.monotonic()
+
+        async def publish() -> None:
+            for question, offset in zip(questions, offsets):
+                await anyio.sleep_until(start + offset)
+                published[question.question_id] = time.time()
+                await producer.send(kafka_cfg.questions_topic, encode(question), key=question.question_id.encode())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish)
+            while len(run.tokens) < len(questions):
+                batch = await consumer.getmany(timeout_ms=100)
+                read_at = time.time()
+                for record in (r for records in batch.values() for r in records):
+                    answer = decode_answer(record.value)
+                    qid = answer.question_id
+                    if qid in published and qid not in run.tokens:
+                        run.tokens[qid] = list(answer.token_ids)
+                        run.latency_s[qid] = read_at - published[qid]
+                        engine_s, produced = answer.timings.e2e_ms / 1000, record.timestamp / 1000
+                        run.stages[qid] = (produced - published[qid] - engine_s, engine_s, read_at - produced)
+        run.seconds = time.monotonic() - start
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+def report(cfg: KevConfig, model, engine: PathRun, kafka: PathRun, *, rate: float, workers: int,
+           max_new_tokens: int, out=print) -> dict:
+    same = sum(engine.tokens[q] == kafka.tokens.get(q) for q in engine.tokens)
+    ratio = kafka.tokens_per_s / engine.tokens_per_s
+    added = {q: kafka.percentile(q) - engine.percentile(q) for q in (50, 99)}
+    arrivals = "all at once" if math.isinf(rate) else f"{rate:g}/s"
+    out(f"model {model.name}, {len(engine.tokens)} questions ({arrivals}), <= {max_new_tokens} new tokens, greedy, "
+        f"max_parallel_queries {cfg.router.max_parallel_queries}, {workers} worker(s)")
+    out("| path | tokens | seconds | tokens/s | latency p50 ms | latency p99 ms |\n|---|---:|---:|---:|---:|---:|")
+    for run in (engine, kafka):
+        out(f"| {run.name} | {run.completion_tokens} | {run.seconds:.2f} | {run.tokens_per_s:.1f} | "
+            f"{run.percentile(50) * 1000:.0f} | {run.percentile(99) * 1000:.0f} |")
+    out(f"through Kafka / engine alone = {ratio:.2f}x; Kafka adds {added[50] * 1000:+.0f} ms p50, "
+        f"{added[99] * 1000:+.0f} ms p99 per question")
+    stages = list(zip(*kafka.stages.values()))
+    out("through Kafka, per question (median ms): in the worker outside the engine {:.0f}, in the engine {:.0f}, "
+        "answer acked and read {:.0f}".format(*(statistics.median(part) * 1000 for part in stages)))
+    out(f"answers identical: {same}/{len(engine.tokens)}; completion tokens "
+        f"{'equal' if engine.completion_tokens == kafka.completion_tokens else 'DIFFER'} "
+        f"({engine.completion_tokens} and {kafka.completion_tokens})")
+    return {"ratio": ratio, "added_p50_s": added[50], "added_p99_s": added[99], "identical": same,
+            "engine": engine, "kafka": kafka}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[min(98, max(0, round(q) - 1))]
