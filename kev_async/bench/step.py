@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -60,7 +61,7 @@ def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int 
     import torch
 
     rows = []
-    bandwidth = _read_bandwidth()
+    bandwidth = _read_bandwidth(torch.get_num_threads())
     for batch in batch_sizes:
         core, sequences = _prefilled_core(model, batch, context, steps, kv_dtype)
         # The median timed step's context: the rows' tokens now plus the warm-up and half the timed steps.
@@ -78,9 +79,11 @@ def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int 
     return rows
 
 
-def _read_bandwidth() -> float:
-    """Bytes per second the CPU reads from memory at torch's thread count: a 256 MiB `sum`, far larger
-    than any last-level cache, median of 5."""
+@functools.lru_cache(maxsize=None)
+def _read_bandwidth(threads: int) -> float:
+    """Bytes per second the CPU reads from memory at `threads` torch threads: a 256 MiB `sum`, far larger
+    than any last-level cache, median of 5. Measured once per process, so runs in one process (e.g. one
+    per KV dtype) divide by the same figure."""
     import torch
 
     buffer = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
