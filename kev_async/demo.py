@@ -42,10 +42,10 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
             out(_metrics_line(cfg.metrics))
         task_status.started(running)
         started = time.perf_counter()
-        await publish_questions(cfg, running.bootstrap_servers, questions)
+        await _publish(cfg, running.bootstrap_servers, questions)
         # Generous, but bounded: a lost answer must fail the demo, not hang it.
         with anyio.fail_after(60 + 10 * len(questions)):
-            summary = await read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
+            summary = await _read_answers(cfg, running.bootstrap_servers, len(questions) + 1, out)
         summary["seconds"] = time.perf_counter() - started
         summary["dead_letters"] = await _count(cfg.kafka.dlq_topic, running.bootstrap_servers, 1)
         out(f"\n{_count_of(summary['answers'], 'answer')} ({_count_of(summary['errors'], 'error answer')}), "
@@ -58,7 +58,7 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
     return summary
 
 
-async def publish_questions(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
+async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
     """`questions`, then BAD_EVENTS, to the questions topic; all acked by the broker on return."""
     producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
     await producer.start()
@@ -72,7 +72,7 @@ async def publish_questions(cfg: KevConfig, servers: str, questions: list[Questi
         await producer.stop()
 
 
-async def read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
+async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
     """The answers topic from its start until `expected` answers: each printed through `out`, and counted."""
     summary = {"answers": 0, "errors": 0, "tokens": 0}
     consumer = AIOKafkaConsumer(cfg.kafka.answers_topic, bootstrap_servers=servers, group_id=None,

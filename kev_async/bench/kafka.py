@@ -18,6 +18,7 @@ from functools import partial
 import anyio
 import msgspec
 
+from kev_async.bench.load.report import percentile
 from kev_async.bench.model import bench_model
 from kev_async.sample_questions import QUESTIONS
 from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
@@ -79,7 +80,7 @@ class PathRun:
         return self.completion_tokens / self.seconds
 
     def percentile(self, q: float) -> float:
-        return _percentile(list(self.latency_s.values()), q)
+        return percentile(list(self.latency_s.values()), q)
 
 
 # One question answered on each path before its clock starts: through Kafka it waits out the group's first
@@ -242,7 +243,7 @@ def report(cfg: KevConfig, model, engine: PathRun, kafka: PathRun, *, rate: floa
     same = sum(engine.tokens[q] == kafka.tokens.get(q) for q in engine.tokens)
     ratio = kafka.tokens_per_s / engine.tokens_per_s
     outside, inside, reader = (list(part) for part in zip(*kafka.stages.values()))
-    own = {q: _percentile(outside, q) for q in (50, 99)}
+    own = {q: percentile(outside, q) for q in (50, 99)}
     arrivals = "all at once" if math.isinf(rate) else f"{rate:g}/s"
     out(f"model {model.name}, {len(engine.tokens)} questions ({arrivals}), <= {max_new_tokens} new tokens, greedy, "
         f"max_parallel_queries {cfg.router.max_parallel_queries}, {workers} worker(s)")
@@ -260,9 +261,3 @@ def report(cfg: KevConfig, model, engine: PathRun, kafka: PathRun, *, rate: floa
         f"({engine.completion_tokens} and {kafka.completion_tokens})")
     return {"ratio": ratio, "kafka_own_p50_s": own[50], "kafka_own_p99_s": own[99], "identical": same,
             "engine": engine, "kafka": kafka}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(98, max(0, round(q) - 1))]
