@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-DEFAULT_PORT = 9464
+from schemas import DEFAULT_CONFIG
+
+DEFAULT_PORT = DEFAULT_CONFIG.metrics.port  # kev.yaml metrics.port, declared in schemas
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}/metrics"
 WORKER_METRICS = {"kev_kv_blocks_used", "kev_forwards_total"}  # only a worker exports these
 CLEAR = "\x1b[H\x1b[2J"
