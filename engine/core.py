@@ -128,13 +128,11 @@ class EngineCore:
         Counted from its publish time (engine.schedule.deadlines.published_at), or from its arrival
         when it was not published earlier.
         """
-        start = arrival if published is None else min(published, arrival)
-        return deadline(start, question.timeout_ms or self.options.default_timeout_ms)
+        return deadline(_clock_start(arrival, published), self._timeout_ms(question))
 
     def _expire(self, question: QuestionEvent, arrival: float, published: float | None, now: float) -> Sequence:
         """End a question that is past its deadline on arrival: answered at the next step, never computed."""
-        start = arrival if published is None else min(published, arrival)
-        why = expired_message(start, arrival, question.timeout_ms or self.options.default_timeout_ms, now)
+        why = expired_message(_clock_start(arrival, published), arrival, self._timeout_ms(question), now)
         seq = Sequence(question_id=question.question_id, prompt_ids=[],
                        params=self.defaults.resolve(question.params, self.stop_token_ids),
                        priority=question.priority, arrival=arrival, adapter=question.adapter)
@@ -143,6 +141,9 @@ class EngineCore:
         self.output.track(question, seq)
         log.info("question.expired", question_id=question.question_id, why=why)
         return seq
+
+    def _timeout_ms(self, question: QuestionEvent) -> int | None:
+        return question.timeout_ms or self.options.default_timeout_ms
 
     def _prefix_salt(self, question: QuestionEvent, seq: Sequence) -> bytes:
         tenant = question.tenant if self.options.prefix_scope == "tenant" else None
@@ -233,3 +234,8 @@ def _block_size(options: EngineOptions, attention) -> int:
         log.info("kv.block_size_adjusted", configured=options.block_size, used=needs, backend=attention.name)
         return needs
     return options.block_size
+
+
+def _clock_start(arrival: float, published: float | None) -> float:
+    """Where a deadline counts from: the publish time, or the arrival when it was not published earlier."""
+    return arrival if published is None else min(published, arrival)
