@@ -71,6 +71,7 @@ class Intake:
         self.gate = QuestionGate(trust)
         self.limits = limits
         self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
+        self.fetched_at = 0.0  # time.time() when the batch being handled came back from the broker
 
     async def run(self) -> None:
         """Consume until cancelled or the engine closes its inbox; closes `questions_out` on the way out."""
@@ -87,6 +88,7 @@ class Intake:
         room = max(1, min(self.max_records, self.watermarks.high - used))
         batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
         self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
+        self.fetched_at = time.time()
         epoch = self.listener.epoch
         for records in batch.values():
             for record in records:
@@ -123,6 +125,8 @@ class Intake:
                 self.counts["questions"] += 1
                 inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
                                   published_ms=record.timestamp)
+                # Stage stamps for `kev bench kafka --profile` (debug: free at the default level).
+                bound.debug("question_taken", question_id=question.question_id, fetched_at=self.fetched_at)
                 await self.questions_out.send(inbound)
 
     async def _refuse(self, question, message: str, position: Position, bound) -> None:

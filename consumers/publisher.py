@@ -87,6 +87,7 @@ class Publisher:
         source = outbound.source
         match outbound.event:
             case AnswerEvent() as answer:
+                log.debug("answer_taken", question_id=answer.question_id)  # a stage stamp, as question_taken
                 await self._answer(answer, source)
             case AnswerDelta() as delta if source.question.stream:
                 await self._delta(delta, source)

@@ -83,6 +83,7 @@ class MessageHandler:
             log.info("engine_actor.cancelled_on_arrival", question_id=question.question_id)
         handle = await self.engine.submit(question, arrival=getattr(source, "received_at", None),
                                           published_ms=published_ms, cancelled=cancelled)
+        log.debug("engine_actor.submitted", question_id=question.question_id)  # tokenized and queued
         self.in_flight[handle] = source
         forwarders.start_soon(self._forward, handle)
 

@@ -20,15 +20,25 @@ def anyio_backend():
     return "asyncio"  # aiokafka
 
 
-async def test_both_paths_give_the_same_answers_and_token_counts(smollm2):
+async def test_both_paths_give_the_same_answers_and_token_counts(smollm2, tmp_path):
     cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
     lines = []
-    result = await bench_kafka(cfg, smollm2, num_questions=6, max_new_tokens=6, rate=20.0, out=lines.append)
+    result = await bench_kafka(cfg, smollm2, num_questions=6, max_new_tokens=6, rate=20.0,
+                               timeline=str(tmp_path / "timeline.png"), out=lines.append)
     engine, kafka = result["engine"], result["kafka"]
     assert set(engine.tokens) == set(kafka.tokens) == {f"bench-{i}" for i in range(6)}
     assert result["identical"] == 6 and engine.completion_tokens == kafka.completion_tokens
     assert all(0 < s < 60 for s in list(engine.latency_s.values()) + list(kafka.latency_s.values()))
     assert any("answers identical: 6/6; completion tokens equal" in line for line in lines), lines
+    # The profile: every question placed, its stages in order on the wall clock, summing to publish -> commit.
+    profile = result["profile"]
+    assert profile["questions"] == 6 and (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert [name for name in profile["stages"]] == ["fetch", "intake", "tokenize", "admission", "prefill", "decode",
+                                                    "hand-off", "send", "ack", "commit"]
+    totals = [sum(stage[i] for stage in profile["stages"].values()) for i in range(6)]
+    assert all(0 < total < 60 for total in totals)
+    assert all(d > 0 for d in profile["stages"]["decode"])  # 6 tokens each: decoding took time
+    assert any(line.startswith("| ack |") for line in lines) and any(line.startswith("| total |") for line in lines)
 
 
 def test_arrivals_are_spaced_by_the_rate_or_all_at_once():

@@ -18,10 +18,13 @@ from functools import partial
 import anyio
 import msgspec
 
+from kev_async.bench.kafka_profile import STAGES, StageLog, caught_stages, draw_timeline, stage_table
+from kev_async.bench.kafka_profile import timeline as timeline_of
 from kev_async.bench.load.report import percentile
 from kev_async.bench.model import bench_model
 from kev_async.sample_questions import QUESTIONS
-from schemas import DEFAULT_MODEL, KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
+from schemas import (DEFAULT_MODEL, AnswerEvent, KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer,
+                     encode)
 
 # The engine, the worker and aiokafka are imported inside the functions that use them: `kev --help` imports
 # this module.
@@ -45,6 +48,12 @@ def register(kinds: argparse._SubParsersAction) -> None:
                        help="`kev serve` workers in one group: the first in this process, the others as processes "
                             "(one engine per device and process); the clock starts once each has answered")
     kafka.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    kafka.add_argument("--profile", action="store_true",
+                       help="also print where each question's time went through Kafka, stage by stage (fetch, "
+                            "intake, tokenize, admission, prefill, decode, hand-off, send, ack, commit), from the "
+                            "in-process worker's stamps, and draw the run as a timeline")
+    kafka.add_argument("--timeline", default=".cache/bench/kafka-timeline.png",
+                       help="with --profile: where to draw the timeline (default: %(default)s)")
     kafka.set_defaults(func=_cli)
 
 
@@ -54,7 +63,8 @@ def _cli(args: argparse.Namespace) -> int:
     model = bench_model(args)
     cfg = msgspec.structs.replace(KevConfig(), metrics=MetricsConfig(port=0))
     anyio.run(lambda: bench_kafka(cfg, model, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
-                                  rate=args.rate, workers=args.workers), backend="asyncio")
+                                  rate=args.rate, workers=args.workers,
+                                  timeline=args.timeline if args.profile else None), backend="asyncio")
     return 0
 
 
@@ -70,6 +80,8 @@ class PathRun:
     # tokenize, then answer encode and produce), the engine's own e2e, and until the bench's lazy reader had
     # it (ack and fetch wait: not counted in the latency).
     stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # Through Kafka only: per question, (published, its answer, sent), for the profile.
+    answers: dict[str, tuple[float, AnswerEvent, float]] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
@@ -102,13 +114,36 @@ def arrival_offsets(count: int, rate: float) -> list[float]:
 
 
 async def bench_kafka(cfg: KevConfig, model, *, num_questions: int, max_new_tokens: int, rate: float = math.inf,
-                      workers: int = 1, out=print) -> dict:
-    """Both paths over the same questions and schedule, in one process; prints a table, returns the figures."""
+                      workers: int = 1, timeline: str | None = None, out=print) -> dict:
+    """Both paths over the same questions and schedule, in one process; prints a table, returns the figures.
+    With `timeline` (a PNG path), also the Kafka path's stage profile, drawn there."""
     questions = bench_questions(num_questions, max_new_tokens)
     offsets = arrival_offsets(num_questions, rate)
     engine = await engine_alone(cfg, model, questions, offsets)
-    kafka = await through_kafka(cfg, model, questions, offsets, workers)
-    return report(cfg, model, engine, kafka, rate=rate, workers=workers, max_new_tokens=max_new_tokens, out=out)
+    with caught_stages() if timeline else contextlib.nullcontext() as stages:
+        kafka = await through_kafka(cfg, model, questions, offsets, workers)
+    result = report(cfg, model, engine, kafka, rate=rate, workers=workers, max_new_tokens=max_new_tokens, out=out)
+    if stages is not None:
+        result["profile"] = profile(stages, kafka, cfg.kafka.questions_topic, timeline,
+                                    f"{model.name}, {len(questions)} questions "
+                                    f"({'all at once' if math.isinf(rate) else f'{rate:g}/s'}) through Kafka", out)
+    return result
+
+
+def profile(stages: StageLog, kafka: PathRun, questions_topic: str, drawing: str, title: str, out=print) -> dict:
+    """Print the stage table of the questions the in-process worker answered, and draw their timeline."""
+    lines = [line for qid, (published, answer, sent) in kafka.answers.items()
+             if (line := timeline_of(stages, qid, published, answer, sent, questions_topic)) is not None]
+    if not lines:
+        out("profile: no question was answered by the in-process worker")
+        return {"questions": 0}
+    out(f"where the time went, {len(lines)} questions answered by the in-process worker (wall clock):")
+    for row in stage_table(lines):
+        out(row)
+    path = draw_timeline(lines, drawing, title)
+    out(f"timeline: {path}")
+    return {"questions": len(lines), "timeline": str(path),
+            "stages": {name: [t.durations()[i] for t in lines] for i, (name, _, _) in enumerate(STAGES)}}
 
 
 async def engine_alone(cfg: KevConfig, model, questions: list[QuestionEvent], offsets: list[float]) -> PathRun:
@@ -216,6 +251,7 @@ async def _publish_and_read(kafka_cfg, questions: list[QuestionEvent], offsets: 
                         run.latency_s[qid] = produced - published[qid]
                         last_produced = max(last_produced, produced)
                         run.stages[qid] = (produced - published[qid] - engine_s, engine_s, read_at - produced)
+                        run.answers[qid] = (published[qid], answer, produced)
         run.seconds = last_produced - start_wall  # until the last answer was sent, as the engine's clock
     finally:
         await consumer.stop()
