@@ -31,6 +31,7 @@ SchedulingPolicy = Literal["fcfs", "shortest_prompt_first", "priority"]  # the o
 OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to a new question
 PrefixScope = Literal["tenant", "global"]
 KvDtype = Literal["auto", "int8"]
+AttentionBackend = Literal["auto", "flash-attn", "sdpa"]  # auto: flash-attn where it can run, else torch SDPA
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the bundled SmolLM2, a built-in of engine/model/loader.py
 EMBEDDED_BROKER = "embedded"  # kafka.bootstrap_servers: start the broker inside Kev
@@ -88,7 +89,9 @@ class KvCacheConfig(_Section):
 
 class CoreConfig(_Section):
     model_path: str = DEFAULT_MODEL
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 on a CPU without bf16 instructions: fp32, logged
+    # auto: fp32 on CPU, bf16 on CUDA. bf16 on a CPU without bf16 instructions: fp32, logged
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    attention: AttentionBackend = "auto"  # engine/kernels/backend.py decides and logs `attention.backend`
     weights: Literal["full", "int8"] = "full"  # int8: weight-only int8 matmuls, per-output-channel scales
     # fp32 on CPU: each matrix also in oneDNN's packed layout, used for 4-96-row products (decode steps,
     # 1.1-1.3x faster at 8-32 rows); twice the weight memory. false: one copy, MKL for every product.

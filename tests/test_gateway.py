@@ -112,6 +112,27 @@ def test_completion_continues_the_prompt_as_given(client, tiny_model):
     assert chat.usage.prompt_tokens > completion.usage.prompt_tokens  # the template's tokens around the prompt
 
 
+def test_usage_counts_the_tokens_the_engine_alone_answers_with(client, stack, tiny_model):
+    # Token accounting agrees across paths: the question the gateway published, asked of kev's Engine alone
+    # (the worker's options), gives the same text and the same number of completion tokens.
+    from engine import Engine, EngineOptions
+
+    messages = [{"role": "user", "content": "Count the waves, one by one."}]
+    completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=13, temperature=0)
+    published = run(read_topic, stack.cfg.kafka.bootstrap_servers, stack.cfg.kafka.questions_topic, 1)
+    questions = [decode_question(record.value) for record in published]
+    (question,) = [q for q in questions if q.messages and q.messages[-1].content == messages[0]["content"]]
+
+    async def alone():
+        async with Engine(tiny_model, EngineOptions.from_config(stack.cfg, worker="alone")) as engine:
+            return await engine.wait(await engine.submit(question))
+
+    answer = run(alone)
+    assert completion.usage.completion_tokens == len(answer.token_ids) == answer.usage.completion_tokens
+    assert completion.choices[0].message.content == answer.text
+    assert completion.usage.prompt_tokens == answer.usage.prompt_tokens
+
+
 def test_seeded_stream_joins_to_the_same_text_as_the_whole_answer(client):
     params = dict(model=MODEL, messages=SEA, max_tokens=24, temperature=0.9, seed=11)
     whole = client.chat.completions.create(**params).choices[0].message.content
