@@ -20,7 +20,8 @@ from engine.audit import forward_summary, violations
 from engine.defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
 from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt
-from engine.kernels.flash import FlashAttention, flash_available
+from engine.kernels.backend import FLASH, BackendChoice, choose_attention, log_choice, tf32_matmul
+from engine.kernels.flash import FlashAttention, flash_installed
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.kv.prefix_cache import prefix_salt
@@ -38,13 +39,14 @@ log = structlog.get_logger("kev.engine")
 
 class EngineCore:
     def __init__(self, model, options: EngineOptions | None = None, attention=None):
-        """`attention`: a backend class taking the KVCache; default flash-attn on CUDA, else torch SDPA."""
+        """`attention`: a backend class taking the KVCache; default: engine/kernels/backend.py's choice
+        (flash-attn on CUDA in fp16/bf16 when installed, else torch SDPA; fixed tiles when deterministic)."""
         options = options or EngineOptions()
         self.model = model
         self.options = options
         kv_dtype = cache_dtype(options.kv_dtype, model.dtype)
-        # flash-attn reads its cache raw; an int8 cache is read (dequantised) by the torch backend.
-        if attention is None and flash_available(model.device) and options.kv_dtype != "int8":
+        self.attention_choice = _choose_attention(model, options, attention)
+        if attention is None and self.attention_choice.backend == FLASH:
             attention = FlashAttention
         self.block_size = _block_size(options, attention)
         num_blocks = plan_num_blocks(model.spec, kv_dtype, model.device, self.block_size,
@@ -210,6 +212,18 @@ class EngineCore:
             log.error("forward.isolation_violation", problems=problems, **record)
         else:
             log.info("forward.mask", **record)  # audit is on only when asked for: show it at the default level
+
+
+def _choose_attention(model, options: EngineOptions, given) -> BackendChoice:
+    """The backend choice, logged once; raises BackendRefused before any memory is taken."""
+    choice = choose_attention(device=model.device.type, dtype=model.dtype, kv_dtype=options.kv_dtype,
+                              deterministic=options.deterministic, requested=options.attention,
+                              flash_installed=flash_installed(), tf32=tf32_matmul())
+    if given is not None:  # a test or bench names its backend: only the slow paths of dtype and cache remain
+        kept = tuple(slow for slow in choice.slow_paths if slow.name != "flash_attn_missing")
+        choice = BackendChoice(given.name, "given by the caller", kept)
+    log_choice(choice, model.device, model.dtype, options.kv_dtype, options.deterministic)
+    return choice
 
 
 def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:

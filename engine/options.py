@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from engine.defaults import Defaults
 from schemas import (
     DEFAULT_CONFIG,
+    AttentionBackend,
     KevConfig,
     KvDtype,
     OverflowPolicy,
@@ -47,6 +48,7 @@ class EngineOptions:
     prefix_caching: bool = False  # isolation.level: shared -- reuse cached full prompt blocks
     prefix_scope: PrefixScope = _key("isolation.prefix_scope")  # tenant: a prefix serves its own tenant only
     kv_dtype: KvDtype = _key("kv_cache.dtype")  # auto (the model's dtype) | int8 (per token and head scales)
+    attention: AttentionBackend = _key("core.attention")  # auto | flash-attn | sdpa (engine/kernels/backend.py)
     audit: bool = False  # log a `forward.mask` summary per forward (isolation.debug or logging.level: debug)
     debug: bool = _key("isolation.debug")  # add the token-level routing table to each summary
     max_loras: int = 8  # LoRA adapters resident at once; idle ones are evicted least recently used first

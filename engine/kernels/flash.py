@@ -1,7 +1,7 @@
 """The CUDA attention backend: flash-attn varlen kernels over the paged KV cache.
 
 Import-guarded: on a machine without CUDA or flash-attn, `flash_available()` is False and Kev uses
-TorchAttention. Same contract as TorchAttention: write the step's K/V through the slot mapping, then
+TorchAttention (engine/kernels/backend.py chooses, and logs the choice). Same contract as TorchAttention: write the step's K/V through the slot mapping, then
 attend with per-question cu_seqlens and block tables, so no question sees another's keys.
 """
 
@@ -18,8 +18,14 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = flash_attn_with_kvcache = None
 
 
+def flash_installed() -> bool:
+    return flash_attn_varlen_func is not None
+
+
 def flash_available(device: torch.device) -> bool:
-    return device.type == "cuda" and flash_attn_varlen_func is not None
+    """CUDA and flash-attn present; whether the engine uses it is engine/kernels/backend.py's decision
+    (it also needs fp16/bf16 and a cache in the model's dtype)."""
+    return device.type == "cuda" and flash_installed()
 
 
 class FlashAttention:

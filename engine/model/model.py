@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.deterministic.mode import math_mode
+from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
@@ -75,8 +76,9 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
                weights: str | None = None, deterministic: bool = False, pack_fp32: bool = True) -> Model:
     """Load an HF directory, a .gguf file or a built-in name (e.g. "smollm2-135m-instruct").
 
-    `dtype`: fp32 | bf16 | fp16 compute and storage dtype (bf16 on a CPU without bf16 instructions
-    falls back to fp32, logged). `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
+    `dtype`: auto (None) | fp32 | bf16 | fp16 compute and storage dtype; auto is bf16 on CUDA, fp32
+    elsewhere (bf16 on a CPU without bf16 instructions falls back to fp32, logged).
+    `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
     `pack_fp32`: on CPU, fp32 matrices also get a oneDNN-packed copy for decode-sized products
     (engine/kernels/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
     """
@@ -86,6 +88,8 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     config = AutoConfig.from_pretrained(path)
     spec = spec_from_config(config)
     device_ = pick_device(device)
+    if deterministic:  # its start-up check would multiply CPU probes by CUDA weights: refused before loading
+        check_deterministic_device(device_.type)
     dtype_ = compute_dtype(pick_dtype(dtype, device_), device_)
     weight_format = weights or "full"
     if weight_format not in WEIGHT_FORMATS:
@@ -148,10 +152,12 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
+    """core.precision as a dtype; auto (or None): bf16 on CUDA, where flash-attn needs it and fp32 matmuls
+    are many times slower, fp32 elsewhere."""
+    if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"precision {dtype!r} is not one of fp32, bf16, fp16")
+        raise ValueError(f"precision {dtype!r} is not one of auto, fp32, bf16, fp16")
     return DTYPES[dtype]
