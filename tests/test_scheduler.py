@@ -575,6 +575,16 @@ def test_a_full_batch_goes_at_once():
     assert sched.wait_time() == 0.0
 
 
+def test_the_window_closes_once_the_waiting_prompts_fill_a_step():
+    # A step holds at most max_tokens_per_step tokens: a later arrival could not join it, so waiting is pure delay.
+    clock = FakeClock(50.0)
+    sched = make(clock=clock, max_running=8, batch_window_s=0.010, max_tokens_per_step=10)
+    sched.add(question("a", 6, arrival=50.0))
+    assert sched.wait_time() == pytest.approx(0.010)
+    sched.add(question("b", 4, arrival=50.0))
+    assert sched.wait_time() == 0.0
+
+
 def test_nothing_waits_while_something_runs():
     clock = FakeClock(50.0)
     sched = make(clock=clock, max_running=4, batch_window_s=0.010)

@@ -82,10 +82,18 @@ class Scheduler:
             return 0.0
         if not self.waiting:
             return None
-        if len(self.waiting) >= self.limits.max_running:
-            return 0.0
+        if len(self.waiting) >= self.limits.max_running or self._waiting_fill_a_step():
+            return 0.0  # company would not join this step: it is full already
         oldest = min(seq.arrival for seq in self.waiting)
         return max(0.0, oldest + self.limits.batch_window_s - self.clock())
+
+    def _waiting_fill_a_step(self) -> bool:
+        budget = self.limits.max_tokens_per_step
+        for seq in self.waiting:
+            budget -= seq.num_uncomputed
+            if budget <= 0:
+                return True
+        return False
 
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
