@@ -4,7 +4,8 @@ Each worker is a plain `kev serve` (deploy.mode single) in the same consumer gro
 the partitions and moves a dead worker's partitions to the others; the parent adds only what one
 host needs: a device or a share of the cores per worker, and restarts.
 
-- GPUs: worker i sees one GPU through CUDA_VISIBLE_DEVICES (round robin over the visible ones).
+- GPUs: worker i sees one GPU through CUDA_VISIBLE_DEVICES (round robin over the visible ones), as
+  `cuda` (a configured `cuda:N` becomes `cuda`); workers sharing a GPU split kv_cache.memory_fraction.
 - CPU: the cores this process may use are split into `workers` contiguous shares; worker i gets
   torch threads = its share's size and, with deploy.pin_cpus, os.sched_setaffinity to that share.
 - A worker that exits when the parent did not ask it to is restarted after restart_backoff_s, doubled
@@ -37,6 +38,7 @@ from schemas import KevConfig
 log = structlog.get_logger("kev.deploy")
 MAX_BACKOFF_S = 60.0
 POLL_S = 0.2
+FRACTION_ENV = "KEV_KV_CACHE__MEMORY_FRACTION"
 
 
 class CrashLoop(RuntimeError):
@@ -72,12 +74,37 @@ def plan_workers(cfg: KevConfig, gpus: list[str], cpus: list[int]) -> list[Worke
         share = None
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            env.update(gpu_worker_settings(cfg, sharing=len(range(i % len(gpus), n, len(gpus)))))
         else:
             share = frozenset(cpu_share(cpus, i, n))
             if cfg.core.threads is None:
                 env["KEV_CORE__THREADS"] = str(len(share))
         plans.append(WorkerPlan(i, env, share if share and cfg.deploy.pin_cpus else None))
     return plans
+
+
+def worker_device(configured: str) -> str:
+    """The core.device of a worker that sees one GPU through CUDA_VISIBLE_DEVICES: that GPU is its
+    `cuda` (index 0), so a configured `cuda:N` (N counts the parent's GPUs) becomes `cuda`."""
+    return "cuda" if configured.startswith("cuda:") else configured
+
+
+def kv_memory_fraction(fraction: float, sharing: int) -> float:
+    """Each worker's kv_cache.memory_fraction when `sharing` workers share one GPU: together they take
+    what one would (each measures free memory at its own start, so the shares never add up to more)."""
+    return fraction / sharing
+
+
+def gpu_worker_settings(cfg: KevConfig, sharing: int) -> dict[str, str]:
+    """The environment overrides of a worker pinned to one GPU that `sharing` workers use."""
+    env = {}
+    device = worker_device(cfg.core.device)
+    if device != cfg.core.device:
+        env["KEV_CORE__DEVICE"] = device
+    # A byte budget or a block count is the operator's own figure per worker; only the fraction is shared.
+    if sharing > 1 and cfg.kv_cache.num_blocks is None and cfg.kv_cache.memory_budget_bytes is None:
+        env[FRACTION_ENV] = repr(kv_memory_fraction(cfg.kv_cache.memory_fraction, sharing))
+    return env
 
 
 def cpu_share(cpus: list[int], index: int, workers: int) -> list[int]:
@@ -108,6 +135,7 @@ async def run_multi(cfg: KevConfig, shutdown, *, serve_args: list[str], drain_de
                 "--drain-deadline", str(drain_deadline), *serve_args]
         log.info("deploy.multi", workers=len(slots), gpus=gpus or None, bootstrap_servers=bootstrap,
                  cpus=[sorted(p.cpus) if p.cpus else None for p in plans])
+        log_gpu_settings(cfg, plans)
         try:
             for slot in slots:
                 _start(slot, argv)
@@ -119,6 +147,18 @@ async def run_multi(cfg: KevConfig, shutdown, *, serve_args: list[str], drain_de
         finally:
             with anyio.CancelScope(shield=True):
                 await _stop_all(slots, drain_deadline + 10)
+
+
+def log_gpu_settings(cfg: KevConfig, plans: list[WorkerPlan]) -> None:
+    """One line each for what the workers run with other than the config says (a device, a KV share)."""
+    device = plans[0].env.get("KEV_CORE__DEVICE") if plans else None
+    if device:
+        log.info("deploy.worker_device", configured=cfg.core.device, used=device,
+                 reason="each worker sees its one GPU through CUDA_VISIBLE_DEVICES, as cuda:0")
+    fractions = [float(p.env[FRACTION_ENV]) for p in plans if FRACTION_ENV in p.env]
+    if fractions:
+        log.info("deploy.kv_memory_shared", configured=cfg.kv_cache.memory_fraction,
+                 per_worker=sorted(set(fractions)), reason="several workers share a GPU")
 
 
 def _start(slot: _Slot, argv: list[str]) -> None:
