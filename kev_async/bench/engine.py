@@ -84,7 +84,8 @@ def run_hf_sequential(hf, model, prompts: list[list[int]], max_new_tokens: int) 
     answers, started = [], time.perf_counter()
     with torch.inference_mode():
         for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = hf.generate(torch.tensor([ids], device=hf.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf.device),
                               max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                               pad_token_id=eos[0])
             answers.append(_trim(out[0, len(ids):].tolist(), eos))
@@ -97,8 +98,8 @@ def run_hf_padded(hf, model, prompts: list[list[int]], max_new_tokens: int) -> R
 
     eos = list(model.spec.eos_token_ids)
     width = max(map(len, prompts))
-    ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     started = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,

@@ -17,7 +17,11 @@ def bench_model(args: argparse.Namespace):
 
 
 def hf_model(model):
-    """transformers' own model on the same weights and precision as Kev's."""
+    """transformers' own model on the same weights, precision and device as Kev's (a baseline left on
+    the CPU while Kev runs on a GPU would compare devices, not engines); callers put inputs on `hf.device`."""
+    import structlog
     from transformers import AutoModelForCausalLM  # heavy: not for `kev --help`
 
-    return AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=model.dtype).to(model.device).eval()
+    structlog.get_logger("kev.bench").info("bench.baseline_device", device=str(hf.device), dtype=str(hf.dtype))
+    return hf

@@ -36,9 +36,9 @@ class _StepClock:
         pass
 
 
-def _per_row_budget(budgets: list[int], width: int):
+def _per_row_budget(budgets: list[int], width: int, device: torch.device):
     """A stopping criterion that ends each row at its own max_new_tokens (generate takes only one)."""
-    limits = torch.tensor(budgets)
+    limits = torch.tensor(budgets, device=device)  # generate ORs it with flags on the model's device
 
     class PerRowBudget(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
@@ -59,14 +59,14 @@ def generate_batch(hf, model, batch: list[TraceQuestion], prompts: dict[str, lis
     eos = tuple(model.spec.eos_token_ids)
     rows = [prompts[q.qid] for q in batch]
     width = max(map(len, rows))
-    ids = torch.tensor([[eos[0]] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids = torch.tensor([[eos[0]] * (width - len(r)) + r for r in rows], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=hf.device)
     budgets = [q.max_new_tokens for q in batch]
     clock = _StepClock()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(budgets), do_sample=False,
                           eos_token_id=list(eos), pad_token_id=eos[0], streamer=clock,
-                          stopping_criteria=StoppingCriteriaList([_per_row_budget(budgets, width)]))
+                          stopping_criteria=StoppingCriteriaList([_per_row_budget(budgets, width, hf.device)]))
     ended = time.monotonic()
     outcomes = []
     for q, row in zip(batch, out):
