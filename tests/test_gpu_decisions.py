@@ -159,6 +159,16 @@ def test_an_engine_asked_for_flash_attn_on_cpu_refuses_at_start(tiny_model):
         EngineCore(tiny_model, EngineOptions(num_blocks=8, attention="flash-attn"))
 
 
+def test_kev_ask_says_why_in_one_line(tiny_model_dir, monkeypatch, capsys):
+    from kev_async.cli import main
+
+    monkeypatch.setenv("KEV_CORE__ATTENTION", "flash-attn")
+    assert main(["ask", "--model", str(tiny_model_dir), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kev ask: core.attention: flash-attn cannot run here: it needs a CUDA device")
+    assert err.count("\n") == 1
+
+
 def test_deterministic_loading_onto_cuda_is_refused_before_any_weight_moves(tiny_model_dir):
     # No GPU needed: the refusal comes before the weights (or the CUDA runtime) are touched.
     with pytest.raises(BackendRefused, match="isolation.deterministic is CPU-only"):

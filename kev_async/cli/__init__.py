@@ -61,4 +61,6 @@ def _user_mistake(error: Exception) -> bool:
     if isinstance(error, (TrustKeyError, msgspec.ValidationError)):
         return True
     loader = sys.modules.get("engine.model.loader")  # not imported for `kev --help`: torch is heavy
-    return loader is not None and isinstance(error, loader.ModelNotFound)
+    backend = sys.modules.get("engine.kernels.backend")  # core.attention / isolation.deterministic refused
+    return ((loader is not None and isinstance(error, loader.ModelNotFound))
+            or (backend is not None and isinstance(error, backend.BackendRefused)))
