@@ -1,78 +1,59 @@
-"""The CUDA path: flash-attn varlen + paged KV. Runs only where CUDA and flash-attn are present."""
+"""Each attention backend this machine can run (sdpa always, flash-attn where installed), one layer at a
+time over a paged bf16 cache of 256-token blocks scattered through the pool, against attention written
+out by hand in fp32: each question's rows see its own cached and fresh keys, causally, nothing else."""
+
+from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs an NVIDIA GPU (CUDA)", allow_module_level=True)
-pytest.importorskip("flash_attn", reason="needs flash-attn: pip install 'kev[gpu]'")
+from engine.kernels.attention import Segment, TorchAttention
+from engine.kernels.flash import FlashAttention
+from engine.kv.cache import KVCache
+from engine.model.model import spec_from_config
+from gpu_models import CUDA_ONLY, DEVICE, attention_backends, tiny_llama
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+pytestmark = CUDA_ONLY
 
-from engine import EngineCore, EngineOptions  # noqa: E402
-from engine.deterministic.attention import FixedTileAttention  # noqa: E402
-from engine.kernels.attention import Segment  # noqa: E402
-from engine.kernels.flash import FlashAttention, flash_available  # noqa: E402
-from engine.kv.cache import KVCache  # noqa: E402
-from engine.model.model import Model, rope_tables, spec_from_config  # noqa: E402
-from engine.model.transformer import Transformer  # noqa: E402
-from schemas import Params, QuestionEvent  # noqa: E402
-
-pytestmark = pytest.mark.gpu
-CUDA = torch.device("cuda")
+BACKENDS = {"sdpa": TorchAttention, "flash-attn": FlashAttention}
+BLOCK = 256
+# (rows this step, keys cached before it) per question: decodes only (flash-attn's kvcache kernel, sdpa's
+# padded decode groups); prompt chunks after a cached prefix beside a decode; two fresh prompts.
+CASES = {"decodes": ([1, 1, 1], [300, 17, 600]), "chunks-and-a-decode": ([40, 1, 7], [0, 33, 260]),
+         "fresh-prompts": ([100, 300], [0, 0])}
 
 
-def tiny_model(dtype=torch.bfloat16) -> Model:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
-    cfg.architectures = ["LlamaForCausalLM"]
-    hf = LlamaForCausalLM(cfg)
-    spec = spec_from_config(cfg)
-    weights = Transformer.from_state_dict(spec, hf.state_dict(), rope_tables(cfg, spec), CUDA, dtype)
-    return Model(spec, weights, None, CUDA, dtype, None, cfg)
+def by_hand(q, keys, values, cached: int) -> torch.Tensor:
+    """fp32 attention of q [L, H, D] over keys/values [K, KVH, D]: row i sees keys 0..cached + i."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (t.float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (keys, values))
+    scores = q.float().transpose(0, 1) @ keys.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, L, K]
+    visible = torch.arange(keys.shape[1], device=q.device)[None] <= torch.arange(q.shape[0], device=q.device)[:, None] + cached
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values).transpose(0, 1)
 
 
-def test_flash_is_picked_on_cuda():
-    assert flash_available(CUDA)
-    core = EngineCore(tiny_model(), EngineOptions(num_blocks=64))
-    assert isinstance(core.runner.attention, FlashAttention)
-    assert core.block_size % 256 == 0
-
-
-@pytest.mark.parametrize("q_lens,cached", [([1, 1, 1], [300, 17, 600]), ([40, 1, 7], [0, 33, 260]),
-                                          ([100, 300], [0, 0])])
-def test_flash_matches_torch_sdpa(q_lens, cached):
-    spec = tiny_model().spec
-    kv = KVCache(spec, num_blocks=16, block_size=256, dtype=torch.bfloat16, device=CUDA)
-    segments, row, next_block = [], 0, 0
-    for q_len, c in zip(q_lens, cached):
-        blocks = -(-(c + q_len) // 256)
-        segments.append(Segment(row, q_len, c + q_len, tuple(range(next_block, next_block + blocks))))
-        row, next_block = row + q_len, next_block + blocks
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", attention_backends())
+def test_a_layer_attends_each_question_to_its_own_keys(backend, case):
+    spec = spec_from_config(tiny_llama().config)
+    kv = KVCache(spec, num_blocks=16, block_size=BLOCK, dtype=torch.bfloat16, device=DEVICE)
+    free = random.Random(1).sample(range(16), 16)  # scattered: the block table, not the order, finds a key
+    segments, row = [], 0
+    for q_len, cached in zip(*CASES[case]):
+        blocks = tuple(free.pop() for _ in range(-(-(cached + q_len) // BLOCK)))
+        segments.append(Segment(row, q_len, cached + q_len, blocks))
+        row += q_len
     kv.k.normal_(), kv.v.normal_()
-    q = torch.randn(row, spec.num_heads, spec.head_dim, device=CUDA, dtype=torch.bfloat16)
-    k = torch.randn(row, spec.num_kv_heads, spec.head_dim, device=CUDA, dtype=torch.bfloat16)
+    q = torch.randn(row, spec.num_heads, spec.head_dim, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(row, spec.num_kv_heads, spec.head_dim, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    flash = FlashAttention(kv).prepare(segments)(0, q, k, v)
-    reference = FixedTileAttention(kv).prepare(segments)(0, q, k, v)
-    assert (flash.float() - reference.float()).abs().max() < 2e-2
-
-
-def test_greedy_solo_equals_packed_on_gpu():
-    model = tiny_model()
-    prompts = [list(range(1, 30)), list(range(40, 240)), list(range(7, 12)), list(range(300, 311))]
-
-    def run(indices):
-        core = EngineCore(model, EngineOptions(num_blocks=64, batch_window_ms=0))
-        for i in indices:
-            core.add(QuestionEvent(question_id=f"q{i}", prompt="x", params=Params(max_new_tokens=24)),
-                     prompt_ids=prompts[i])
-        answers = {}
-        while core.has_work:
-            answers.update({a.question_id: a.token_ids for a in core.step().answers})
-        return answers
-
-    packed = run(range(len(prompts)))
-    for i in range(len(prompts)):
-        assert run([i])[f"q{i}"] == packed[f"q{i}"]
+    out = BACKENDS[backend](kv).prepare(segments)(0, q, k, v)
+    for seg in segments:
+        slots = torch.tensor([b * BLOCK + i for b in seg.block_ids for i in range(BLOCK)][: seg.kv_len], device=DEVICE)
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        assert torch.equal(kv.k[0, slots[seg.cached:]], k[rows]), "the step's keys are not in the question's slots"
+        expected = by_hand(q[rows], kv.k[0, slots], kv.v[0, slots], seg.cached)
+        diff = (out[rows].float() - expected).abs().max().item()
+        assert diff < 2e-2, f"{backend}, {case}: rows {rows} differ from attention by hand by {diff:.3g}"
