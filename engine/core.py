@@ -19,7 +19,8 @@ from engine.adapters.pool import LoraPool
 from engine.audit import forward_summary, violations
 from engine.defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
-from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt
+from engine.constrain import Constraints
+from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt, unknown_fields
 from engine.kernels.backend import FLASH, BackendChoice, choose_attention, log_choice, tf32_matmul
 from engine.kernels.flash import FlashAttention, flash_installed
 from engine.kv.block_pool import BlockPool
@@ -66,6 +67,8 @@ class EngineCore:
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets)
         self.output = OutputProcessor(model.tokenizer, options.worker)
+        self.constraints = Constraints(model.tokenizer, self.stop_token_ids, model.spec.vocab_size, model.device,
+                                       options.grammar_cache_size)
         self.num_forwards = 0
         self.num_generated = 0
         # Called with the batch size (questions in the pass) after each forward, on the device thread.
@@ -93,6 +96,8 @@ class EngineCore:
             prompt_ids = self.prepare(question)
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
+        ignored = unknown_fields(question, self.options.unknown_fields)
+        constraint = self.constraints.attach(question)  # compiled already when Engine prepared it
         lora = acquire_adapter(self.loras, question.adapter)
         seq = Sequence(
             question_id=qid,
@@ -103,6 +108,8 @@ class EngineCore:
             arrival=arrival,
             adapter=question.adapter,
             lora=lora,
+            constraint=constraint,
+            ignored_fields=ignored,
         )
         if self.options.prefix_caching:
             seq.cache_salt = self._prefix_salt(question, seq)
@@ -180,13 +187,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         events = StepEvents()
         if plan:
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan, self.constraints.row_masks)
             if self.step_observer is not None:
                 self.step_observer(len(plan.chunks))
             self.num_forwards += 1
             if self.options.audit:
                 self._audit(plan, out.segments)
             new_tokens = self.scheduler.update(plan, out.sampled)
+            for seq in self.constraints.advance(new_tokens):  # a token its grammar refused: it ends alone
+                self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)
         events.answers = [self._answer(seq) for seq in self.scheduler.take_finished()]
         return events

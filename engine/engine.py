@@ -35,6 +35,9 @@ _CLOSED = ("engine_closed", "the engine closed before this question started")  #
 # Prompts are rendered and tokenized on one worker thread at a time, in arrival order; the tokenizer
 # is shared with the device thread's detokenizing, and one thread keeps encodes from contending.
 TOKENIZING_THREADS = 1
+# response_format grammars compile on their own worker thread: a slow schema holds up neither the steps
+# nor the tokenizing of questions behind it, only its own question.
+COMPILING_THREADS = 1
 log = structlog.get_logger("kev.engine")
 
 
@@ -74,6 +77,7 @@ class Engine:
         self._places = anyio.Semaphore(places if self.options.overflow_policy == "wait" else 1 << 30)
         self._task_group = None
         self._tokenizing: anyio.CapacityLimiter | None = None
+        self._compiling: anyio.CapacityLimiter | None = None
         self.closed = False
 
     async def __aenter__(self) -> "Engine":
@@ -134,7 +138,11 @@ class Engine:
             return None
         if self._tokenizing is None:  # made here: a CapacityLimiter needs a running event loop
             self._tokenizing = anyio.CapacityLimiter(TOKENIZING_THREADS)
-        return await anyio.to_thread.run_sync(self.core.prepare, question, limiter=self._tokenizing)
+            self._compiling = anyio.CapacityLimiter(COMPILING_THREADS)
+        prompt_ids = await anyio.to_thread.run_sync(self.core.prepare, question, limiter=self._tokenizing)
+        if question.params.response_format is not None:  # compiled (or found cached) before it is queued
+            await anyio.to_thread.run_sync(self.core.constraints.prepare, question, limiter=self._compiling)
+        return prompt_ids
 
     def _drop(self, handle: Handle, answer: AnswerEvent | None) -> None:
         """A question that never reached the core: answer it here (or just forget it) and free its place."""
@@ -218,6 +226,7 @@ class Engine:
         for qid in list(self._handles):  # closing: whatever is left ends as cancelled
             core.cancel(qid)
         self._deliver_from_thread(core.step())
+        core.constraints.close()
         self._refuse_queued_calls()
 
     def _drain_commands(self, block_for: float | None) -> bool:

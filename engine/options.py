@@ -15,6 +15,7 @@ from schemas import (
     PrefixScope,
     RoutingStrategy,
     SchedulingPolicy,
+    UnknownFieldsPolicy,
 )
 
 
@@ -56,6 +57,8 @@ class EngineOptions:
     default_timeout_ms: int | None = None  # deadline for questions that set none; from_config: aggregator.timeout_ms
     routing_strategy: RoutingStrategy = _key("router.strategy")  # the routing bucket recorded in each audit
     routing_buckets: int = _key("router.channel_pool_size")
+    unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
+    grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
     defaults: Defaults = field(default_factory=Defaults)  # KEV_TEMPERATURE etc. are read by the config loader alone
 
     @classmethod

@@ -42,9 +42,19 @@ from schemas.config import (
     SecurityConfig,
     TrustConfig,
 )
+from schemas.config import IntakeConfig, StructuredConfig, UnknownFieldsPolicy
 from schemas.config_validation import ConfigError, config_from_dict
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
+from schemas.response_format import (
+    GrammarFormat,
+    JsonObjectFormat,
+    JsonSchema,
+    JsonSchemaFormat,
+    RegexFormat,
+    ResponseFormat,
+    TextFormat,
+)
 from schemas.routing import RoutingStrategy
 from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
@@ -93,6 +103,16 @@ __all__ = [
     "SchedulingPolicy",
     "SecurityConfig",
     "TrustConfig",
+    "GrammarFormat",
+    "IntakeConfig",
+    "JsonObjectFormat",
+    "JsonSchema",
+    "JsonSchemaFormat",
+    "RegexFormat",
+    "ResponseFormat",
+    "StructuredConfig",
+    "TextFormat",
+    "UnknownFieldsPolicy",
     "Timings",
     "UndecodableEvent",
     "Usage",

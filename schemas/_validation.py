@@ -32,6 +32,7 @@ TOPIC_CHARS_CEILING = 249  # Kafka's own limit on a topic name
 TEXT_CHARS_CEILING = 1_000_000  # any one prompt, system prompt or message
 MESSAGES_CEILING = 4096
 EVENT_BYTES_CEILING = 8_000_000
+CONSTRAINT_CHARS_CEILING = 1_000_000  # a response_format's schema (as JSON), regex or grammar
 
 _MISSING = object()
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -50,6 +51,9 @@ def explain(error: msgspec.ValidationError, data: Any, root: type) -> tuple[str,
     if field:
         return _field_problem(field, keys, root)
     value = _lookup(data, keys)
+    tags = _tags(_resolve(mi.type_info(root), keys[:-1])) if message.startswith("Invalid value") else ()
+    if tags:  # a tagged union's tag, e.g. response_format.type
+        return format_path(keys), f"{show(value)} is not one of: {', '.join(tags)}"
     return format_path(keys), _reason(message, value, _resolve(mi.type_info(root), keys))
 
 
@@ -165,6 +169,12 @@ def _resolve(info: Any, keys: list[str | int]) -> Any:
         if info is None:
             return None
     return _unwrap_optional(info)
+
+
+def _tags(info: Any) -> tuple[str, ...]:
+    """The tags of a union of tagged structs (their `type` values), or () for anything else."""
+    types = getattr(_unwrap_optional(info), "types", ())
+    return tuple(t.tag for t in types if isinstance(t, mi.StructType) and t.tag is not None)
 
 
 def _unwrap_optional(info: Any) -> Any:

@@ -42,6 +42,10 @@ class Audit(Struct, frozen=True):
     adapter: str | None = None
     defaults_version: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the (tenant-scoped) prefix cache
+    # params.response_format that held the answer: its kind and the first 16 hex digits of its SHA-256
+    # ("json_schema:3f2a..."); None when the answer was free text
+    constraint: str | None = None
+    ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know (intake.unknown_fields: report)
 
 
 class AnswerEvent(Struct, frozen=True):
@@ -58,6 +62,9 @@ class AnswerEvent(Struct, frozen=True):
     # True when text and token_ids were cut so the answer fits the broker's record size limit: the
     # answer is the beginning of what was generated (usage still counts every token).
     truncated: bool = False
+    # True when the answer had a response_format and ended before its grammar was complete (max_new_tokens,
+    # a stop string, a timeout): the text does not parse as asked.
+    incomplete: bool = False
 
 
 class AnswerDelta(Struct, frozen=True):

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct
 
 from schemas._validation import (
+    CONSTRAINT_CHARS_CEILING,
     EVENT_BYTES_CEILING,
     ID_CHARS_CEILING,
     MESSAGES_CEILING,
@@ -32,6 +33,7 @@ OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to
 PrefixScope = Literal["tenant", "global"]
 KvDtype = Literal["auto", "int8"]
 AttentionBackend = Literal["auto", "flash-attn", "sdpa"]  # auto: flash-attn where it can run, else torch SDPA
+UnknownFieldsPolicy = Literal["ignore", "report", "reject"]  # intake.unknown_fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the bundled SmolLM2, a built-in of engine/model/loader.py
 EMBEDDED_BROKER = "embedded"  # kafka.bootstrap_servers: start the broker inside Kev
@@ -162,6 +164,8 @@ class LimitsConfig(_Section):
     max_id_chars: Annotated[int, Meta(ge=8, le=ID_CHARS_CEILING)] = 256
     max_messages: Annotated[int, Meta(ge=1, le=MESSAGES_CEILING)] = 256
     max_prompt_chars: Annotated[int, Meta(ge=1, le=TEXT_CHARS_CEILING)] = 200_000  # prompt + system + messages
+    # params.response_format: its JSON schema (as JSON), regex or grammar, in characters
+    max_constraint_chars: Annotated[int, Meta(ge=16, le=CONSTRAINT_CHARS_CEILING)] = 100_000
     max_control_bytes: Annotated[int, Meta(ge=1024, le=1_048_576)] = 65_536
 
 
@@ -245,6 +249,20 @@ class BrokerConfig(_Section):
     data_dir: str | None = None  # None = "broker" in Kev's cache directory (~/.cache/kev/broker)
 
 
+class IntakeConfig(_Section):
+    """What the engine does with a question's keys it does not know (a misspelt `params.max_tokens`, a
+    field from a newer producer): ignore them, report them (the answer's audit lists them and
+    `kev_unknown_fields` counts them), or reject the question with an `invalid_field` error answer."""
+
+    unknown_fields: UnknownFieldsPolicy = "report"
+
+
+class StructuredConfig(_Section):
+    """Structured answers (params.response_format; docs/structured.md)."""
+
+    cache_size: Annotated[int, Meta(ge=1, le=100_000)] = 256  # compiled grammars kept, least recently used out
+
+
 class KevConfig(_Section):
     deploy: DeployConfig = DeployConfig()
     router: RouterConfig = RouterConfig()
@@ -260,6 +278,8 @@ class KevConfig(_Section):
     logging: LoggingConfig = LoggingConfig()
     gateway: GatewayConfig = GatewayConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+    intake: IntakeConfig = IntakeConfig()
+    structured: StructuredConfig = StructuredConfig()
 
 
 DEFAULT_CONFIG = KevConfig()  # every default, for code that runs without a kev.yaml

@@ -30,6 +30,7 @@ from schemas._validation import (
     show,
 )
 from schemas.config import LimitsConfig
+from schemas.response_format import ResponseFormat, constraint_chars
 from schemas.wire import (
     ANY_DECODER,
     SCHEMA_VERSION,
@@ -40,6 +41,8 @@ from schemas.wire import (
     unparseable,
 )
 
+MAX_UNKNOWN_FIELDS = 32  # unknown keys named per question; more are counted as one "..." entry
+UnknownName = Annotated[str, Meta(max_length=80)]
 QuestionId = Annotated[str, Meta(min_length=1, max_length=ID_CHARS_CEILING)]
 Id = Annotated[str, Meta(max_length=ID_CHARS_CEILING)]  # request_id, tenant, cache_salt, adapter
 Text = Annotated[str, Meta(max_length=TEXT_CHARS_CEILING)]
@@ -63,6 +66,7 @@ class Params(Struct, frozen=True, omit_defaults=True):
     repetition_penalty: RepetitionPenalty | None = None
     seed: Seed | None = None
     stop: StopStrings = ()
+    response_format: ResponseFormat | None = None  # JSON schema, JSON object, regex or grammar (docs/structured.md)
 
 
 class QuestionEvent(Struct, frozen=True, omit_defaults=True):
@@ -83,6 +87,10 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     raw: bool = False  # the prompt's own tokens, no chat template: a plain continuation (/v1/completions)
     reply_topic: TopicName | None = None
     schema: int = SCHEMA_VERSION
+    # Keys of the event (or of its params) Kev does not know, as `decode_question` found them: listed in
+    # the answer's audit or refused, as `intake.unknown_fields` says. Set by the intake, not by producers
+    # (names a producer sends here are kept beside the intake's own, so `kev route` passes them on).
+    unknown_fields: Annotated[tuple[UnknownName, ...], Meta(max_length=MAX_UNKNOWN_FIELDS)] = ()
 
 
 class InvalidQuestion(Exception):
@@ -103,6 +111,10 @@ _BOUNDED_IDS = ("question_id", "request_id", "tenant", "cache_salt", "adapter")
 
 
 _QUESTION_DECODER = msgspec.json.Decoder(QuestionEvent)
+# A second, shallow read of a decoded event for the keys msgspec skipped: values stay raw, unparsed.
+_KEYS_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_QUESTION_KEYS = frozenset(QuestionEvent.__struct_encode_fields__)
+_PARAMS_KEYS = frozenset(Params.__struct_encode_fields__)
 
 
 class _Envelope(Struct):
@@ -138,7 +150,7 @@ def decode_question(
     _check_schema(question.schema, question.question_id, _bounded(question.request_id, limits))
     _check_bounds(question, limits)
     _check_prompt(question, limits.max_prompt_chars if max_prompt_chars is None else max_prompt_chars)
-    return question
+    return _with_unknown_fields(question, data)
 
 
 def _reject_oversized(data: bytes, max_bytes: int, limits: LimitsConfig) -> None:
@@ -200,6 +212,30 @@ def _check_bounds(question: QuestionEvent, limits: LimitsConfig) -> None:
     if question.messages is not None and len(question.messages) > limits.max_messages:
         raise InvalidQuestion(question.question_id, request_id, "invalid_field",
                               f"messages: {len(question.messages)} items, at most {limits.max_messages} allowed")
+    size = constraint_chars(question.params.response_format)
+    if size > limits.max_constraint_chars:
+        raise InvalidQuestion(question.question_id, request_id, "invalid_field",
+                              f"params.response_format: {size} characters, at most {limits.max_constraint_chars} "
+                              f"allowed")
+
+
+def _with_unknown_fields(question: QuestionEvent, data: bytes) -> QuestionEvent:
+    """The question with the keys it sent that Kev does not know: `max_tokens` at the top, `params.max_tokens`."""
+    top = _KEYS_DECODER.decode(data)
+    unknown = [name for name in top if name not in _QUESTION_KEYS]
+    params = top.get("params")
+    if params is not None:
+        unknown += [f"params.{name}" for name in _KEYS_DECODER.decode(params) if name not in _PARAMS_KEYS]
+    if not unknown:
+        return question
+    names = list(dict.fromkeys([*question.unknown_fields, *(_short(name) for name in unknown)]))
+    if len(names) > MAX_UNKNOWN_FIELDS:
+        names = names[:MAX_UNKNOWN_FIELDS - 1] + ["..."]
+    return msgspec.structs.replace(question, unknown_fields=tuple(names))
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 80 else name[:77] + "..."
 
 
 def _check_schema(schema: Any, question_id: str, request_id: str | None) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.adapters.lora import LoraStacks
+from engine.constrain.masks import RowMasks
 from engine.kernels.attention import Segment
 from engine.kv.cache import KVCache
 from engine.model.sampler import Sampler, SampleRow
@@ -39,7 +41,9 @@ class ModelRunner:
         self.lora_stacks = LoraStacks(model.dtype)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, row_masks: Callable[[list], RowMasks | None] | None = None) -> StepOutput:
+        """`row_masks(sampled_chunks)`: the response_format masks of the rows to draw, asked for after the
+        forward (engine/constrain/: they are computed on another thread while it runs)."""
         segments = segments_of(plan)
         token_ids, positions = [], []
         for chunk in plan.chunks:
@@ -60,4 +64,5 @@ class ModelRunner:
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.weights.logits(hidden)
         rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_tokens) for c in plan.sampled_chunks]
-        return StepOutput(self.sampler.sample(logits, rows), segments)
+        masks = row_masks(plan.sampled_chunks) if row_masks is not None else None
+        return StepOutput(self.sampler.sample(logits, rows, masks), segments)

@@ -2,6 +2,9 @@
 
 A sampled row draws with the Gumbel-max trick, its noise from a generator seeded by
 (question seed, token position) alone, so the draw never depends on which rows share the batch.
+A question with a response_format has its row's blocked tokens pushed down by a bias before anything
+else (engine/constrain/): greedy, temperature, top-k, top-p and seeded draws then choose among the
+allowed tokens only. Other rows are not touched, not even by adding zero.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.constrain.masks import RowMasks
 from engine.schedule.sequence import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -31,7 +35,9 @@ def noise_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: RowMasks | None = None) -> list[int]:
+        if masks is not None:
+            logits = _constrain(logits, masks)
         if all(row.params.greedy and row.params.repetition_penalty == 1.0 for row in rows):
             # The common case: one argmax for the whole batch (bf16 -> fp32 is exact, so no cast needed).
             return greedy(logits)
@@ -54,6 +60,13 @@ def greedy(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu":
         return logits.max(dim=-1).indices.tolist()
     return logits.argmax(dim=-1).tolist()
+
+
+def _constrain(logits: torch.Tensor, masks: RowMasks) -> torch.Tensor:
+    """The constrained rows in fp32 with their bias added; an allowed logit is unchanged (x + 0.0 == x)."""
+    logits = logits.float()  # a copy when the model computes in bf16; fp32 logits are changed in place
+    logits.index_add_(0, masks.rows, masks.bias)
+    return logits
 
 
 def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:

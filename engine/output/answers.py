@@ -26,7 +26,10 @@ def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, 
                     steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
                     routing_bucket=seq.routing_bucket,
                     defaults_version=seq.params.defaults_version,
-                    cached_prompt_tokens=seq.cached_prompt_tokens),
+                    cached_prompt_tokens=seq.cached_prompt_tokens,
+                    constraint=seq.constraint.spec.label if seq.constraint is not None else None,
+                    ignored_fields=seq.ignored_fields),
+        incomplete=_incomplete(seq, stream),
     )
 
 
@@ -35,7 +38,18 @@ def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEve
     return error_answer(question.question_id, question.request_id, exc.code, exc.message)
 
 
+def _incomplete(seq: Sequence, stream: TextStream) -> bool:
+    """A constrained answer that does not parse as asked: it ended before its grammar was complete
+    (max_new_tokens, a timeout, a cancel), or a stop string cut its text."""
+    constraint = seq.constraint
+    if constraint is None:
+        return False
+    return stream.stopped or constraint.failed is not None or not constraint.accepting
+
+
 def _error(seq: Sequence) -> ErrorInfo | None:
+    if seq.status == Status.ERROR and seq.constraint is not None and seq.constraint.failed:
+        return ErrorInfo("constraint_failed", seq.error or seq.constraint.failed)
     if seq.status == Status.ERROR:
         return ErrorInfo("internal_error", seq.error or "")
     if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty

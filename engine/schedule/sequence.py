@@ -93,6 +93,8 @@ class Sequence:
     num_registered: int = 0  # leading blocks named in the cache (a refused name stops the run)
     cached_prompt_tokens: int = 0  # prompt tokens read from the cache at its first admission
     overtaken: int = 0  # later questions admitted while it did not fit (bounded: no starvation)
+    constraint: object | None = None  # its response_format's grammar state (engine.constrain.state.Constraint)
+    ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know, for the audit
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)
