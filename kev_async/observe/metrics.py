@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
+from kev_async.observe.structured_metrics import STRUCTURED_COUNTERS, structured_counts
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
 
@@ -65,6 +66,11 @@ class Metrics:
         self.prompt_tokens = Counter("kev_prompt_tokens", "Prompt tokens of answered questions.", registry=r)
         self.cached_prompt_tokens = Counter("kev_cached_prompt_tokens", "Prompt tokens of answered questions "
                                             "read from the prefix cache.", registry=r)
+        self.unknown_fields = Counter("kev_unknown_fields", "Keys of answered questions Kev did not know "
+                                      "(listed in their audit.ignored_fields; intake.unknown_fields: report).",
+                                      registry=r)
+        self.incomplete = Counter("kev_incomplete_answers", "Answers with a response_format that ended before "
+                                  "their grammar was complete (max_new_tokens, a stop string).", registry=r)
         self.live = _LiveCollector()
         r.register(self.live)
 
@@ -98,6 +104,9 @@ class Metrics:
         self.answers.labels(answer.finish_reason).inc()
         self.prompt_tokens.inc(answer.usage.prompt_tokens)
         self.cached_prompt_tokens.inc(answer.usage.cached_prompt_tokens)
+        self.unknown_fields.inc(len(answer.audit.ignored_fields))
+        if answer.incomplete:
+            self.incomplete.inc()
         if answer.error is not None:
             self.errors.labels(answer.error.code).inc()
         else:  # an error answer never ran: its timings are zeros, not latencies
@@ -161,7 +170,7 @@ class _LiveCollector:
 
     def __init__(self) -> None:
         self.engine = None
-        self.retired = {"generated": 0, "forwards": 0, "preemptions": 0}  # from engines a restart replaced
+        self.retired = dict.fromkeys(_COUNTERS, 0)  # from engines a restart replaced
         self.mailboxes: tuple[Mailbox, ...] = ()
         self.kafka = None
         self.lag: dict[tuple[str, int], int] = {}  # (topic, partition) -> records behind, at the last scrape
@@ -194,9 +203,7 @@ class _LiveCollector:
     def _engine_families(self) -> Iterator[Metric]:
         core = self.engine.core if self.engine is not None else None
         counts = _engine_counts(core) if core is not None else dict.fromkeys(self.retired, 0)
-        for key, name, text in (("generated", "kev_generated_tokens", "Tokens generated."),
-                                ("forwards", "kev_forwards", "Packed forward passes."),
-                                ("preemptions", "kev_preemptions", "Questions preempted for KV room.")):
+        for key, (name, text) in _COUNTERS.items():
             yield CounterMetricFamily(name, text, value=self.retired[key] + counts[key])
         gauges = {}
         if core is not None:
@@ -262,6 +269,15 @@ class _LiveCollector:
         self.lag = lag
 
 
-def _engine_counts(core) -> dict[str, int]:
+# The engine's own counters, read at scrape time: key -> (metric, help).
+_COUNTERS = {
+    "generated": ("kev_generated_tokens", "Tokens generated."),
+    "forwards": ("kev_forwards", "Packed forward passes."),
+    "preemptions": ("kev_preemptions", "Questions preempted for KV room."),
+    **STRUCTURED_COUNTERS,
+}
+
+
+def _engine_counts(core) -> dict[str, float]:
     return {"generated": core.num_generated, "forwards": core.num_forwards,
-            "preemptions": core.scheduler.num_preemptions}
+            "preemptions": core.scheduler.num_preemptions, **structured_counts(core.constraints)}
