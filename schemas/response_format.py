@@ -57,7 +57,10 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat 
 def constraint_chars(fmt: ResponseFormat | None) -> int:
     """The size of what must be compiled: the schema as JSON, the pattern or the grammar."""
     if isinstance(fmt, JsonSchemaFormat):
-        return len(msgspec.json.encode(fmt.json_schema.schema))
+        try:
+            return len(msgspec.json.encode(fmt.json_schema.schema))
+        except RecursionError:  # deeper than encoding allows: too large to compile either way
+            return CONSTRAINT_CHARS_CEILING + 1
     if isinstance(fmt, RegexFormat):
         return len(fmt.pattern)
     if isinstance(fmt, GrammarFormat):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.constrain.spec import check
+from schemas.constraint import check
 from schemas import AnswerEvent, Params
 
 FULL_VOCAB = 49152

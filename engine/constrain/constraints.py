@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.constrain.grammars import GrammarCache
 from engine.constrain.masks import MaskWorker, RowMasks
-from engine.constrain.spec import InvalidConstraint, spec_of
+from schemas.constraint import InvalidConstraint, spec_of
 from engine.constrain.state import Constraint
 from engine.intake import QuestionRejected
 from schemas import QuestionEvent

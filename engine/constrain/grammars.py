@@ -20,7 +20,7 @@ import llguidance
 import structlog
 import torch
 
-from engine.constrain.spec import ConstraintSpec, InvalidConstraint
+from schemas.constraint import ConstraintSpec, InvalidConstraint
 
 log = structlog.get_logger("kev.structured")
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF tokenizer -> LLTokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import anyio
 import msgspec
 import structlog
 from starlette.applications import Starlette
@@ -25,7 +26,13 @@ from starlette.routing import Route
 from kev_async.gateway.callers import new_question_id
 from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
 from kev_async.gateway.metrics import CONTENT_TYPE, ObserveRequests
-from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
+from kev_async.gateway.openai_requests import (
+    ChatRequest,
+    CompletionRequest,
+    check_response_format,
+    parse_request,
+    to_question,
+)
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
@@ -138,6 +145,8 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
     question = to_question(parsed, question_id=question_id, tenant=caller.tenant, cache_salt=caller.cache_salt(),
                            reply_topic=gateway.replies.topic, timeout_ms=timeout_ms, adapter=adapter,
                            max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
+    if question.params.response_format is not None:
+        await anyio.to_thread.run_sync(check_response_format, question)
     wait_s = timeout_ms / 1000 + REPLY_GRACE_S
     if parsed.stream:
         return AnswerStream(gateway, question, parsed, caller=caller, chat=chat, wait_s=wait_s, started=started,

@@ -6,6 +6,8 @@ has and Kev cannot honour (n > 1, penalties, logprobs, tools, ...) are accepted 
 value; anything else is a 400 naming the field, so a client never gets an answer that silently
 ignored what it asked for. The finished question goes through `decode_question`, the same gate a
 worker applies, so whatever a worker would refuse is refused here, before anything is published.
+`response_format` (chat and completions, as vLLM takes it) becomes the question's own, and
+`check_response_format` compiles its grammar text (no tokenizer) so a bad schema is a 400 too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from msgspec import Struct
 
 from kev_async.gateway.errors import ApiError, bad_request
 from schemas import InvalidQuestion, QuestionEvent, UndecodableEvent, decode_question
+from schemas.constraint import InvalidConstraint, check
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses Kev's own default
 
@@ -56,6 +59,8 @@ class _Common(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # text | json_object | json_schema, and Kev's regex | grammar (docs/structured.md)
+    response_format: dict[str, Any] | None = None
 
 
 class ChatRequest(_Common, frozen=True, kw_only=True):
@@ -63,7 +68,6 @@ class ChatRequest(_Common, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -96,7 +100,6 @@ _NEUTRAL = {
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v.get("type") == "text",
     "reasoning_effort": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
 }
@@ -150,6 +153,16 @@ def to_question(request: ChatRequest | CompletionRequest, *, question_id: str, t
         raise ApiError(500, f"the gateway built an undecodable question: {bad}", code="internal_error") from None
 
 
+def check_response_format(question: QuestionEvent) -> None:
+    """A 400 when the question's response_format does not compile (milliseconds for a typical schema:
+    the app runs it on a worker thread)."""
+    try:
+        check(question.params.response_format)
+    except InvalidConstraint as bad:
+        where = bad.where.removeprefix("params.")
+        raise bad_request(f"Invalid {where}: {bad.reason}", param="response_format", code="invalid_field") from None
+
+
 def wants_usage_in_stream(request: ChatRequest | CompletionRequest) -> bool:
     return request.stream_options is not None and request.stream_options.include_usage
 
@@ -163,7 +176,7 @@ def _params(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     params = {"max_new_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
               "seed": request.seed, "top_k": request.top_k, "repetition_penalty": request.repetition_penalty,
-              "stop": stop}
+              "stop": stop, "response_format": request.response_format}
     return {key: value for key, value in params.items() if value is not None}
 
 
@@ -220,6 +233,8 @@ def _invalid_field(message: str) -> ApiError:
 
 def _refused(bad: InvalidQuestion, *, chat: bool) -> ApiError:
     field, _, reason = bad.message.partition(": ")
+    if field.startswith("params.response_format"):  # the request's own field, with the path inside it
+        return bad_request(f"{field.removeprefix('params.')}: {reason}", param="response_format", code=bad.code)
     param = _PARAM_NAMES.get(field, field.split(".")[0].split("[")[0] or None)
     if chat and param == "prompt":  # the worker's gate counts the messages as the prompt
         param = "messages"

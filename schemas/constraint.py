@@ -1,9 +1,10 @@
 """A question's response_format as llguidance grammar text, with the hash it is cached and audited by.
 
-Turning a format into grammar text needs no tokenizer, so a bad schema, regex or grammar is found here
-(the gateway calls `check` before it publishes: a 400 instead of an error answer later). What is said
-is the library's own reason, under the field it belongs to, e.g.
-`params.response_format.json_schema.schema: Unimplemented keys: ["not"]`.
+Turning a format into grammar text needs no tokenizer, so a bad schema, regex or grammar is found here,
+by the engine before it compiles (engine/constrain/) and by the gateway before it publishes (a 400
+instead of an error answer later). What is said is the library's own reason, under the field it
+belongs to, e.g. `params.response_format.json_schema.schema: Unimplemented keys: ["not"]`.
+Not imported by `schemas/__init__`: only those who check formats load llguidance (~40 ms, no torch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import llguidance
 import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
-from schemas import GrammarFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat, TextFormat
+from schemas.response_format import (
+    GrammarFormat,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    RegexFormat,
+    ResponseFormat,
+    TextFormat,
+)
 
 # Compact JSON: no whitespace between tokens. A small model left free to emit whitespace can spend its
 # whole max_new_tokens on it; compact answers are what OpenAI's structured outputs look like too.
@@ -81,11 +89,13 @@ def check(fmt: ResponseFormat | None) -> ConstraintSpec | None:
 def _spec(kind: str, schema: dict, where: str) -> ConstraintSpec:
     # Hashed as written, key order included: the library keeps properties in the schema's order, so two
     # orders are two grammars (one cache entry for both would make an answer's order depend on the cache).
-    source = msgspec.json.encode(schema)
     try:
+        source = msgspec.json.encode(schema)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(source.decode(), defaults=JSON_OPTIONS)
-    except ValueError as exc:
+    except ValueError as exc:  # e.g. llguidance's own depth limit: "recursion limit exceeded at line 1 ..."
         raise InvalidConstraint(where, str(exc)) from None
+    except RecursionError:
+        raise InvalidConstraint(where, "nested too deeply") from None
     return ConstraintSpec(kind, grammar, _digest(kind, source), where)
 
 
