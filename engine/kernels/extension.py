@@ -1,0 +1,62 @@
+"""A torch C++ extension compiled from a .cpp file beside Kev's kernels, once per machine and source.
+
+The library goes into torch's extension cache under a name keyed by the source, its compiler flags, the
+CPU's flags and torch's version, so an edit, other flags or a cache carried to another CPU compile anew;
+a later start imports the library directly. (engine/kernels/paged_decode.py does the same for its kernel.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+
+import structlog
+import torch
+
+log = structlog.get_logger("kev.engine.extension")
+
+
+def build(stem: str, source: pathlib.Path, functions: list[str], cflags: tuple[str, ...]):
+    """The compiled module `<stem>_<key>` exposing `functions`, or None where it cannot be built (no
+    compiler, no headers, flags this CPU or compiler refuses); the reason is logged."""
+    text = source.read_text()
+    name = f"{stem}_{_build_key(text, cflags)}"
+    try:
+        return _import_built(name)
+    except Exception:  # not built on this machine yet (or not loadable): build it
+        pass
+    try:
+        from torch.utils.cpp_extension import load_inline  # pulls in setuptools: only when a build is needed
+
+        log.info("kernel.building", kernel=stem, note="once per machine, about a minute")
+        return load_inline(name=name, cpp_sources=text, functions=functions, extra_cflags=list(cflags),
+                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:
+        log.warning("kernel.unavailable", kernel=stem, error=f"{type(error).__name__}: {error}"[:300])
+        return None
+
+
+def _import_built(name: str):
+    """The library an earlier build left, imported directly: load_inline would re-run ninja under a lock
+    file on every start, and a process killed while holding that lock leaves later starts waiting on it."""
+    from torch.utils.cpp_extension import _get_build_directory  # as above: setuptools, only when loading a build
+
+    library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or not os.path.exists(library):
+        raise FileNotFoundError(library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_key(text: str, cflags: tuple[str, ...]) -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1((text + " ".join(cflags) + flags + torch.__version__).encode()).hexdigest()[:12]

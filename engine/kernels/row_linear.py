@@ -1,0 +1,94 @@
+"""A CPU matmul whose result for a row never depends on how many rows share the call (fp32, bf16).
+
+Library GEMMs (MKL, oneDNN) pick their blocking, and with it each output's order of additions, from the
+problem's shape, so a row's last bits move with the number of rows beside it. Here every output element
+is one chain of multiply-adds over k = 0 .. K-1 from zero (bf16: over pairs of k, by `vdpbf16ps` where
+the CPU has AVX512_BF16), the same instruction whatever the tile; rows and column panels only decide
+which chains run side by side, and threads split the work by column panels. A row alone, inside 2,048
+rows, at any place among them and at any thread count gives the same bits: batch-invariant by
+construction (tests/test_row_linear.py proves it on the running CPU).
+
+The weight is repacked once, at load, into panels of 16 output columns by K (bf16: by K/2 pairs of
+k), so a step reads each weight once whatever its row count, 16 columns per vector load.
+
+The C++ (row_linear.cpp) is compiled for the host (`-march=native`): AVX-512 (with or without
+AVX512_BF16), AVX2 or plain C++, chosen by what the compiler sees the CPU has. Paths differ from
+each other in the last bits, never within one build. KEV_ROW_LINEAR=0 declines the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.extension import build
+
+PANEL = 16  # output columns per panel: one AVX-512 vector of fp32
+SOURCE = pathlib.Path(__file__).parent / "row_linear.cpp"
+# -ffp-contract=off: the plain path's multiply and add stay two roundings wherever the compiler puts
+# them (the vector paths call fma by name).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+NO_AVX512 = CFLAGS + ("-mno-avx512f",)  # what an AVX2 machine runs
+PLAIN = NO_AVX512 + ("-mno-avx2",)  # neither: the portable C++ path
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel():
+    """The module built for this CPU, or None (no compiler, or KEV_ROW_LINEAR=0)."""
+    if os.environ.get("KEV_ROW_LINEAR", "1") == "0":
+        return None
+    return compiled(CFLAGS)
+
+
+@functools.cache
+def compiled(cflags: tuple[str, ...]):
+    """The module built with these flags (tests also build NO_AVX512 and PLAIN), or None."""
+    return build("kev_row_linear", SOURCE, ["row_linear", "row_linear_isa"], cflags)
+
+
+def usable(weight) -> bool:
+    """Whether `weight` (a plain tensor) can be a RowWeight here."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype in DTYPES and kernel() is not None)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> fp32 [panels, K, 16]; bf16 [panels, K2/2, 16, 2] with K2 = K rounded up to even.
+    Columns past N and the k past an odd K are zeros."""
+    n, k = weight.shape
+    pairs = weight.dtype is torch.bfloat16
+    padded = F.pad(weight, (0, k % 2 if pairs else 0, 0, (-n) % PANEL))
+    panels = padded.view(-1, PANEL, padded.shape[1])
+    if not pairs:
+        return panels.transpose(1, 2).contiguous()
+    return panels.view(panels.shape[0], PANEL, -1, 2).transpose(1, 2).contiguous()
+
+
+class RowWeight:
+    """A weight matrix [out, in] repacked for row_linear; `linear(x)` computes `F.linear(x, weight)`."""
+
+    def __init__(self, weight: torch.Tensor, module=None):
+        self.op = module or kernel()
+        if self.op is None:
+            raise RuntimeError("the row_linear kernel is not built on this machine")
+        if weight.dtype not in DTYPES or weight.dim() != 2:
+            raise ValueError(f"row_linear takes fp32 or bf16 matrices, not {weight.dtype} {list(weight.shape)}")
+        self.shape, self.dtype = weight.shape, weight.dtype
+        self.packed = pack(weight.detach().cpu())
+        self.isa = self.op.row_linear_isa()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, inner = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, inner)
+        if self.dtype is torch.bfloat16 and inner % 2:
+            rows = F.pad(rows, (0, 1))  # the packed pairs' zero k
+        out = self.op.row_linear(rows.contiguous(), self.packed, self.shape[0]).view(*lead, self.shape[0])
+        return out + bias if bias is not None else out

@@ -1,0 +1,159 @@
+"""row_linear: F.linear's results within rounding, and a row's bits the same alone and inside any call.
+
+Each build the CPUs Kev meets would run is checked here: the host's (AVX-512 with vdpbf16ps on a CPU
+with AVX512_BF16), the one without AVX-512 (AVX2) and the plain C++ one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import row_linear
+from engine.kernels.cpu_features import cpu_flags
+from engine.kernels.row_linear import RowWeight
+
+ROWS = (1, 2, 3, 7, 16, 33, 64, 200)
+# SmolLM2-135M's matrices [out, in]: hidden 576, q 576, kv 192, intermediate 1536, vocabulary 49152, the
+# fused q+k+v and gate+up Kev multiplies by, and an odd shape (a partial panel, an odd bf16 K).
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (960, 576), (3072, 576), (37, 101)]
+BUILDS = {"host": row_linear.CFLAGS, "no-avx512": row_linear.NO_AVX512, "plain": row_linear.PLAIN}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def build(name: str):
+    module = row_linear.compiled(BUILDS[name])
+    assert module is not None, f"the {name} build of row_linear did not compile"
+    return module
+
+
+def weight_and_rows(shape, dtype, rows, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(shape, generator=generator) * 0.05).to(dtype)
+    return weight, torch.randn(rows, shape[1], generator=generator).to(dtype)
+
+
+def expected_isa() -> str:
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "plain"
+
+
+def test_the_host_build_takes_the_instruction_set_the_cpu_flags_name():
+    assert row_linear.kernel() is not None
+    assert build("host").row_linear_isa() == expected_isa()
+    assert build("no-avx512").row_linear_isa() == ("avx2" if {"avx2", "fma"} <= cpu_flags() else "plain")
+    assert build("plain").row_linear_isa() == "plain"
+
+
+def assert_like_torch(out, x, weight):
+    if weight.dtype is torch.float32:
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=2e-5)
+    else:  # both sum in fp32 and round once to bf16: at most an ulp or so apart
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_agrees_with_f_linear_at_every_row_count(shape, dtype):
+    weight, x = weight_and_rows(shape, dtype, max(ROWS))
+    row = RowWeight(weight)
+    for rows in ROWS:
+        out = row.linear(x[:rows])
+        assert out.shape == (rows, shape[0]) and out.dtype == dtype
+        assert_like_torch(out, x[:rows], weight)
+
+
+@pytest.mark.parametrize("name", ["no-avx512", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_builds_for_other_cpus_agree_with_f_linear(name, dtype):
+    for shape in [(960, 576), (576, 1536), (37, 101)]:
+        weight, x = weight_and_rows(shape, dtype, 33)
+        row = RowWeight(weight, build(name))
+        for rows in (1, 7, 33):
+            assert_like_torch(row.linear(x[:rows]), x[:rows], weight)
+
+
+def assert_row_invariant(row: RowWeight, shape, dtype, counts, seed=1):
+    """A probe row alone, then at the start, middle and end of calls of `counts` rows of random
+    neighbours, and in every place of a call made of its copies: the same bits each time."""
+    generator = torch.Generator().manual_seed(seed)
+    probe = torch.randn(1, shape[1], generator=generator).to(dtype)
+    alone = row.linear(probe)[0]
+    for count in counts:
+        batch = torch.randn(count, shape[1], generator=generator).to(dtype)
+        places = sorted({0, count // 2, count - 1})
+        batch[places] = probe
+        out = row.linear(batch)
+        for place in places:
+            assert torch.equal(out[place], alone), f"{count} rows, place {place}"
+    copies = row.linear(probe.expand(37, -1).contiguous())
+    assert torch.equal(copies, alone.expand(37, -1))
+
+
+INVARIANCE_COUNTS = (2, 3, 5, 6, 7, 13, 16, 33, 64, 200, 2048)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (37, 101)], ids=str)
+def test_a_row_has_the_same_bits_alone_and_inside_calls_of_up_to_2048_rows(shape, dtype, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_row_invariant(RowWeight(torch.randn(shape).mul(0.05).to(dtype)), shape, dtype, INVARIANCE_COUNTS)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_output_head_keeps_a_row_bitwise_inside_a_batch(dtype):
+    shape = (49152, 576)
+    assert_row_invariant(RowWeight(torch.randn(shape).mul(0.05).to(dtype)), shape, dtype, (2, 7, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_thread_count_never_changes_a_bit(dtype):
+    weight, x = weight_and_rows((960, 576), dtype, 65)
+    row, before = RowWeight(weight), torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(row.linear(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+@pytest.mark.parametrize("name", ["no-avx512", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_builds_for_other_cpus_keep_a_row_bitwise_inside_a_batch(name, dtype):
+    shape = (960, 576)
+    row = RowWeight(torch.randn(shape).mul(0.05).to(dtype), build(name))
+    assert_row_invariant(row, shape, dtype, (2, 5, 7, 33, 200))
+
+
+def test_leading_dimensions_and_a_bias_are_kept():
+    weight, x = weight_and_rows((37, 101), torch.float32, 6)
+    bias = torch.randn(37)
+    out = RowWeight(weight).linear(x.view(2, 3, 101), bias)
+    torch.testing.assert_close(out, F.linear(x.view(2, 3, 101), weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_weight_is_read_as_panels_of_sixteen_columns():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    packed = row_linear.pack(weight)
+    assert packed.shape == (2, 3, 16)
+    assert torch.equal(packed[0, :, 5], weight[5]) and torch.equal(packed[1, :, 3], weight[19])
+    assert not packed[1, :, 4:].any()  # columns past the matrix are zeros
+    pairs = row_linear.pack(weight.to(torch.bfloat16))
+    assert pairs.shape == (2, 2, 16, 2)  # K = 3 rounded up to a pair
+    assert torch.equal(pairs[0, 1, 5], torch.tensor([5 * 3 + 2, 0], dtype=torch.bfloat16))
+
+
+def test_kev_row_linear_0_declines_the_kernel(monkeypatch):
+    monkeypatch.setenv("KEV_ROW_LINEAR", "0")
+    assert row_linear.kernel() is None and not row_linear.usable(torch.zeros(4, 4))
