@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_models import DEVICE, byte_tokenizer, kev_model_on, save_model_dir, tiny_llama
+from gpu_models import DEVICE, byte_tokenizer, keep_fp32_exact, kev_model_on, save_model_dir, tiny_llama
 
 REQUIRED = torch.cuda.is_available() or os.environ.get("KEV_GPU_REQUIRED") == "1"
 
@@ -64,7 +64,7 @@ def gpu_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_gpu(gpu_tokenizer) -> TinyGpu:
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is the exact reference, and TF32 rounds like bf16
+    keep_fp32_exact()
     cpu = tiny_llama(seed=3)
     kev = {dtype: kev_model_on(cpu, gpu_tokenizer, DEVICE, dtype, name=f"tiny-gpu-{name}")
            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}

@@ -88,6 +88,15 @@ def attention_backends() -> list[str]:
     return ["sdpa"] + (["flash-attn"] if flash_available(DEVICE) else [])
 
 
+def keep_fp32_exact() -> None:
+    """fp32 matmuls without TF32 (torch's default), or fp32 is no exact reference: TF32 keeps 10 bits of
+    mantissa, about bf16's error. Set only when something turned TF32 on: torch refuses a mix of its two APIs."""
+    from engine.kernels.backend import tf32_matmul
+
+    if tf32_matmul():
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
 def kev_model_on(hf_model, tokenizer, device: torch.device, dtype: torch.dtype, name: str = "tiny-gpu"):
     """Kev's Model over exactly the weights of `hf_model`, on `device` in `dtype`."""
     from engine.model.model import Model, rope_tables, spec_from_config

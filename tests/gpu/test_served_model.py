@@ -17,7 +17,7 @@ import torch
 from engine import EngineCore, load_model
 from engine.model.loader import resolve_model_dir
 from engine.prompt import encode_prompt
-from gpu_models import CUDA_ONLY, DEVICE
+from gpu_models import CUDA_ONLY, DEVICE, keep_fp32_exact
 from reference import assert_follows_greedy, assert_same_or_near_tie, first_difference, hf_greedy, teacher_forced
 from schemas import QuestionEvent
 
@@ -33,7 +33,7 @@ def loaded(served, harness):
     """Kev's model of the served directory in the default precision and in fp32, and transformers' in fp32."""
     from transformers import AutoModelForCausalLM
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    keep_fp32_exact()
     print(f"\nserved model: {served.source} ({served.kind})")
     path = resolve_model_dir(served.source)
     default = load_model(served.source, device=DEVICE.type)
@@ -78,10 +78,10 @@ def test_default_precision_follows_transformers_and_packed_equals_solo(loaded, h
             assert_same_or_near_tie(hf, q.prompt_ids, tokens, alone, gap, f"{q.qid}, packed vs alone")
 
 
-def test_an_engine_on_the_served_model_logs_its_backend(loaded, served, harness, logs, record_property):
+def test_an_engine_on_the_served_model_logs_its_backend(loaded, served, harness, logs, record_testsuite_property):
     EngineCore(loaded["default"], options(harness))
     line = next(e for e in logs if e["event"] == "attention.backend")
     assert line["device"].split(":")[0] == DEVICE.type and line["backend"] in ("flash-attn", "sdpa")
     # ops/gpu-check.sh reads these from the JUnit XML into its summary
-    record_property("served_model", f"{served.source} ({served.kind})")
-    record_property("attention_backend", line["backend"])
+    record_testsuite_property("served_model", f"{served.source} ({served.kind})")
+    record_testsuite_property("attention_backend", line["backend"])
