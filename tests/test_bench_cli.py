@@ -63,3 +63,14 @@ def test_bench_step_kv_dtype_int8_builds_an_int8_cache_and_counts_its_bytes(tiny
         kv_ms[kv_dtype] = float(row.split("|")[5])
     assert "int8 KV" in out
     assert kv_ms["auto"] > 2.5 * kv_ms["int8"]  # the KV read floor counts int8 rows and their scales
+
+
+def test_bench_structured_prints_both_runs_the_ratio_and_compile_times(tiny_model_dir, capsys):
+    assert main(["bench", "structured", "--model", str(tiny_model_dir), "--questions", "9", "--max-new-tokens", "8",
+                 "--repeats", "1", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| free |" in out and "| 8 schemas |" in out
+    assert "8 schemas / free: tokens/s " in out and "computed late" in out
+    for name in ("sentiment", "entity", "verdict", "keywords", "rating", "translation", "steps", "fact"):
+        assert f"| {name} |" in out
+    assert "compile: cold median" in out
