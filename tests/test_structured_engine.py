@@ -10,6 +10,7 @@ import jsonschema
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from engine import Engine, EngineOptions
 from engine.defaults import Defaults
@@ -66,8 +67,12 @@ async def test_a_worker_answers_each_format_and_counts_it(model):
             event("bad", response_format=review_format(schema={"type": "object", "not": {"required": ["x"]}})),
             event("free", max_new_tokens=5),
         ])
-    for answer in answers.values():
-        metrics.observe_answer(answer)
+    with capture_logs() as logs:
+        for answer in answers.values():
+            metrics.observe_answer(answer)
+    lines = {line["question_id"]: line for line in logs if line["event"] == "answer"}
+    assert lines["a"]["constraint"] == answers["a"].audit.constraint and lines["a"]["incomplete"] is False
+    assert "constraint" not in lines["free"]
     for qid in ("a", "b"):
         assert answers[qid].finish_reason == "stop" and not answers[qid].incomplete
         jsonschema.validate(json.loads(answers[qid].text), SCHEMA)

@@ -156,6 +156,10 @@ def answer_fields(answer: AnswerEvent, source: Any, log_prompts: bool) -> dict[s
         "worker": answer.audit.worker, "channel": answer.audit.channel, "blocks": list(answer.audit.blocks),
         "routing_bucket": answer.audit.routing_bucket,
     }
+    if answer.audit.constraint is not None:  # a structured answer: which format held it, and whether it finished
+        fields.update(constraint=answer.audit.constraint, incomplete=answer.incomplete)
+    if answer.audit.ignored_fields:
+        fields["ignored_fields"] = list(answer.audit.ignored_fields)
     if log_prompts:
         if question is not None:
             fields["system"] = question.system
