@@ -237,3 +237,22 @@ def test_the_sampler_masks_its_own_row_only(params):
     masked = Sampler().sample(logits.clone(), rows, RowMasks(torch.tensor([1]), bias_row(bits, 1000)[None]))
     assert masked[1] in allowed
     assert (masked[0], masked[2]) == (free[0], free[2])
+
+
+@pytest.mark.slow
+def test_the_real_model_rates_reviews_in_valid_json(smollm2):
+    from engine import IsolatedBatchPipeline
+
+    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative"]},
+                                               "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["sentiment", "stars"], "additionalProperties": False}
+    reviews = ["The soup was cold and the waiter was rude.", "Wonderful service, I will come back!",
+               "Terrible. Never again.", "Best pizza in town."]
+    questions = [{"prompt": f"Rate this review as JSON: {r}",
+                  "params": {"response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "rating", "schema": schema}}}}
+                 for r in reviews] + [{"prompt": "What is the capital of France?"}]
+    answers = IsolatedBatchPipeline(smollm2, max_batch_size=8).run(questions, max_new_tokens=40, temperature=0.0)
+    for answer in answers[:4]:
+        assert_valid(answer, schema)
+    assert "Paris" in answers[4].text and answers[4].audit.constraint is None
