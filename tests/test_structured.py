@@ -256,3 +256,14 @@ def test_the_real_model_rates_reviews_in_valid_json(smollm2):
     for answer in answers[:4]:
         assert_valid(answer, schema)
     assert "Paris" in answers[4].text and answers[4].audit.constraint is None
+
+
+def test_the_device_unpacking_equals_the_host_one():
+    """The GPU path unpacks the stacked bits on the device (bias_rows); it must give the host's rows."""
+    import torch
+
+    from engine.constrain.state import bias_row, bias_rows
+
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32)
+    for width in (1000, 1280, 1500):  # narrower than the mask, equal, wider (padded as blocked)
+        assert torch.equal(bias_rows(bits, width), torch.stack([bias_row(row, width) for row in bits]))
