@@ -244,27 +244,36 @@ inline void dispatch(int rows, int panel_count, const T& t) {
   Kernel::template call<R, P>(t);
 }
 
-// Every row of x against panels [begin, end): groups of up to P panels, each read once per R rows.
+// Bytes of x rows a pass over the panels keeps in L2 (the smallest L2 Kev meets is 512 KiB, shared with
+// the weights being read): more rows than this are taken in chunks, each a pass over the panels.
+constexpr int64_t ROW_CHUNK_BYTES = 256 * 1024;
+
+// Every row of x against panels [begin, end): groups of up to P panels, each read once per chunk of rows
+// and used from cache by the chunk's tiles of R rows.
 template <int R, int P, typename Kernel, typename X, typename W, typename Y>
 void panels(const Tile<X, W, Y>& t, int64_t rows, int64_t n, int64_t begin, int64_t end) {
-  for (int64_t p0 = begin; p0 < end; p0 += P) {
-    const int pc = static_cast<int>(std::min<int64_t>(P, end - p0));
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-      Tile<X, W, Y> at = t;
-      at.x = t.x + r0 * t.ldx;
-      at.w = t.w + p0 * t.panel_stride;
-      at.y = t.y + r0 * t.ldy;
-      at.col = p0 * PANEL;
-      at.cols = n - at.col;
-      // With more than one row block the next group is fetched while this one is used, a share of it per
-      // row block, so the fetch does not crowd the rows' working set out of L1 in one block. A single
-      // block streams the weights at memory speed, which the hardware's prefetcher keeps up with alone
-      // (measured: software prefetch made one row 10-20% slower, and 64 rows 12-25% faster).
-      const int64_t blocks = (rows + R - 1) / R, block = r0 / R;
-      at.next = blocks > 1 && p0 + P < end ? t.w + (p0 + P) * t.panel_stride : nullptr;
-      at.fetch_from = t.k * block / blocks;
-      at.fetch_to = t.k * (block + 1) / blocks;
-      dispatch<R, P, Kernel>(static_cast<int>(std::min<int64_t>(R, rows - r0)), pc, at);
+  const int64_t chunk = std::max<int64_t>(R, ROW_CHUNK_BYTES / (t.ldx * static_cast<int64_t>(sizeof(X))) / R * R);
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t chunk_rows = std::min(chunk, rows - c0), blocks = (chunk_rows + R - 1) / R;
+    for (int64_t p0 = begin; p0 < end; p0 += P) {
+      const int pc = static_cast<int>(std::min<int64_t>(P, end - p0));
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t r0 = c0 + block * R;
+        Tile<X, W, Y> at = t;
+        at.x = t.x + r0 * t.ldx;
+        at.w = t.w + p0 * t.panel_stride;
+        at.y = t.y + r0 * t.ldy;
+        at.col = p0 * PANEL;
+        at.cols = n - at.col;
+        // With more than one row block the next group is fetched while this one is used, a share of it
+        // per row block, so the fetch does not crowd the rows' working set out of L1 in one block. A
+        // single block streams the weights at memory speed, which the hardware's prefetcher keeps up
+        // with alone (measured: software prefetch made one row 10-20% slower, and 64 rows 12-25% faster).
+        at.next = blocks > 1 && p0 + P < end ? t.w + (p0 + P) * t.panel_stride : nullptr;
+        at.fetch_from = t.k * block / blocks;
+        at.fetch_to = t.k * (block + 1) / blocks;
+        dispatch<R, P, Kernel>(static_cast<int>(std::min<int64_t>(R, rows - r0)), pc, at);
+      }
     }
   }
 }
