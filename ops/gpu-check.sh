@@ -193,7 +193,9 @@ finish() {  # always: the summary, the logs, the exit status
     echo 1 >"$WORK/exit"
   fi
   tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs facts notes steps.tsv 2>/dev/null
-  exit "$(cat "$WORK/exit" 2>/dev/null || echo 1)"
+  rc=$(cat "$WORK/exit" 2>/dev/null || echo 1)
+  rm -rf "$WORK"  # all of it worth keeping is in $OUT
+  exit "$rc"
 }
 trap finish EXIT
 trap 'echo "gpu-check: interrupted" >&2; exit 130' INT TERM
