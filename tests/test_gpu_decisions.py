@@ -74,7 +74,7 @@ REFUSED = [
                                                         "runs on cpu", "fp16 or bf16", "core.precision"]),
     (("cuda", FP32, "auto", False, "flash-attn", True), ["fp16 or bf16 only, the model is fp32", "core.precision"]),
     (("cuda", BF16, "int8", False, "flash-attn", True), ["int8 cache", "kv_cache.dtype: int8"]),
-    (("cuda", BF16, "auto", False, "flash-attn", False), ["flash-attn is not installed", "kev[gpu]"]),
+    (("cuda", BF16, "auto", False, "flash-attn", False), ["flash-attn is not installed", "KEV_FLASH_ATTN=1"]),
     (("cuda", BF16, "auto", True, "auto", True), ["isolation.deterministic is CPU-only", "cuda",
                                                   "isolation.deterministic: false", "core.device: cpu"]),
     (("cuda", FP32, "auto", True, "sdpa", True), ["isolation.deterministic is CPU-only"]),

@@ -76,7 +76,7 @@ def choose_attention(*, device: str, dtype: torch.dtype, kv_dtype: str, determin
     return BackendChoice(SDPA, f"flash-attn cannot run: {'; '.join(missing)}", slow)
 
 
-NOT_INSTALLED = "flash-attn is not installed (pip install 'kev[gpu]')"
+NOT_INSTALLED = "flash-attn is not installed (KEV_FLASH_ATTN=1 make setup, where a wheel matches torch)"
 
 
 def flash_missing(device: str, dtype: torch.dtype, kv_dtype: str, flash_installed: bool) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from engine.kernels.attention import Segment, slot_mapping
 from engine.kv.cache import KVCache
 
-try:  # flash-attn is the optional `kev[gpu]` extra
+try:  # flash-attn is the opt-in `kev[flash-attn]` extra (KEV_FLASH_ATTN=1 make setup, from a matching wheel)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = flash_attn_with_kvcache = None
@@ -34,7 +34,7 @@ class FlashAttention:
 
     def __init__(self, kv: KVCache):
         if flash_attn_varlen_func is None:
-            raise RuntimeError("flash-attn is not installed: pip install 'kev[gpu]'")
+            raise RuntimeError("flash-attn is not installed: KEV_FLASH_ATTN=1 make setup (a wheel matching torch)")
         if kv.block_size % self.block_size_multiple:
             raise ValueError(f"flash-attn needs a KV block size that is a multiple of 256, not {kv.block_size}")
         self.kv = kv
