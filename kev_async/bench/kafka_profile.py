@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import structlog
-
 from kev_async.bench.load.report import percentile
+
+# structlog is imported where it is used: `kev --help` imports this module and must stay quick.
 
 STAMPED = ("question_taken", "engine_actor.submitted", "answer_taken", "published", "committed")
 
@@ -52,6 +52,8 @@ class StageLog:
             elif question_id := event.get("question_id"):
                 self.stamps.setdefault(question_id, {}).setdefault(name, (now, event))
         if method in ("debug", "info"):  # caught for the profile, not printed
+            import structlog
+
             raise structlog.DropEvent
         return event
 
@@ -63,6 +65,8 @@ class StageLog:
 @contextlib.contextmanager
 def caught_stages() -> Iterator[StageLog]:
     """Catch the stamp lines for the length of the block (at debug level), then log as before."""
+    import structlog
+
     stages = StageLog()
     before = structlog.get_config()
     structlog.configure(processors=[stages, *before["processors"]],
