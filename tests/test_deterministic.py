@@ -25,10 +25,20 @@ def batch_with_victim(harness, count: int, seed: int) -> list:
     return others
 
 
+def decline_row_linear(monkeypatch) -> None:
+    """As if row_linear had failed its start-up check on this CPU: every matmul takes the tiles."""
+    from engine.deterministic import rows
+
+    monkeypatch.setattr(rows, "row_invariant", lambda row: False)
+    monkeypatch.setattr(rows, "_COPIES", {})
+    monkeypatch.setattr(rows, "_CHECKED", {})
+
+
 def decline_one_call(monkeypatch) -> None:
-    """As if packed fp32 weights had failed the one-call check on this CPU."""
+    """As if row_linear and then packed fp32 weights' one call had failed their checks on this CPU."""
     from engine.deterministic import tiles
 
+    decline_row_linear(monkeypatch)
     monkeypatch.setattr(tiles, "_one_call_invariant", lambda weight, row_counts: False)
     monkeypatch.setattr(tiles, "_ONE_CALL", {})
     monkeypatch.setattr(tiles.TileCheck, "_done", set())

@@ -157,3 +157,104 @@ def test_the_packed_weight_is_read_as_panels_of_sixteen_columns():
 def test_kev_row_linear_0_declines_the_kernel(monkeypatch):
     monkeypatch.setenv("KEV_ROW_LINEAR", "0")
     assert row_linear.kernel() is None and not row_linear.usable(torch.zeros(4, 4))
+
+
+# Deterministic mode on row_linear (engine/deterministic/rows.py).
+
+
+def test_deterministic_mode_multiplies_fp32_and_bf16_models_through_row_linear(tiny_models, harness):
+    from engine.deterministic import rows
+    from engine.deterministic.mode import DETERMINISTIC
+
+    tiny = tiny_models["llama3-rope-tied"]
+    for dtype in DTYPES:
+        weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=dtype).weights
+        weights.use(DETERMINISTIC)
+        for matrix in weights.matrices():
+            row = rows.row_weight(matrix)
+            assert row is not None and row.shape == matrix.shape and row.dtype == dtype
+        x = torch.randn(5, weights.lm_head.shape[1]).to(dtype)  # the output head, tied to the embedding table
+        assert torch.equal(weights.linear(x, weights.lm_head), RowWeight(weights.embed).linear(x))
+
+
+def test_int8_weights_stay_on_the_tiles(tiny_models, harness):
+    from engine.deterministic import rows
+    from engine.deterministic.mode import DETERMINISTIC
+
+    tiny = tiny_models["llama"]
+    weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer).weights
+    weights.quantize_int8()
+    weights.use(DETERMINISTIC)
+    assert all(rows.row_weight(matrix) is None for matrix in weights.matrices())
+
+
+def test_a_shape_failing_the_check_takes_the_tiles_and_says_so(tiny_models, harness, monkeypatch, logs):
+    from engine.deterministic import rows, tiles
+    from engine.deterministic.mode import DETERMINISTIC
+
+    monkeypatch.setattr(rows, "row_invariant", lambda row: False)
+    monkeypatch.setattr(rows, "_COPIES", {})
+    monkeypatch.setattr(rows, "_CHECKED", {})
+    tiny = tiny_models["llama"]
+    weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer).weights
+    weights.use(DETERMINISTIC)
+    x = torch.randn(3, weights.lm_head.shape[1])
+    assert rows.row_weight(weights.lm_head) is None
+    assert torch.equal(weights.linear(x, weights.lm_head), tiles.tiled_linear(x, weights.lm_head))
+    declined = [entry for entry in logs if entry["event"] == "deterministic.row_linear_declined"]
+    assert {tuple(entry["shape"]) for entry in declined} == {tuple(m.shape) for m in weights.matrices()}
+
+
+def test_the_start_up_check_passes_here_and_catches_a_kernel_that_mixes_rows():
+    from engine.deterministic import rows
+
+    row = RowWeight(torch.randn(96, 64).to(torch.bfloat16))
+    assert rows.row_invariant(row)
+
+    class Mixing(RowWeight):  # a row's result nudged by how many rows share the call
+        def linear(self, x, bias=None):
+            return super().linear(x, bias) * (1 + (x.shape[0] > 1) * 2.0 ** -12)
+
+    mixing = Mixing(torch.randn(96, 64))
+    assert not rows.row_invariant(mixing)
+
+
+def test_a_bf16_matrix_comes_back_from_its_onednn_copy():
+    from engine.kernels.packed_weight import PackedWeight, can_pack
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU cannot reorder bf16 weights for oneDNN (no packed copy to recover from)")
+    weight = torch.randn(200, 101).to(torch.bfloat16)
+    assert torch.equal(PackedWeight(weight).matrix(), weight)
+
+
+def test_the_start_up_line_names_the_instruction_set_and_the_split(tiny_models, harness, logs):
+    from engine.deterministic.mode import DETERMINISTIC
+
+    tiny = tiny_models["qwen2"]
+    weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer).weights
+    weights.use(DETERMINISTIC)
+    line = next(entry for entry in logs if entry["event"] == "deterministic.row_linear")
+    assert line["isa"] == expected_isa() and line["tiled"] == 0
+    assert line["matrices"] == len(weights.matrices()) and line["threads"] == torch.get_num_threads()
+
+
+def test_a_new_thread_count_is_checked_before_the_kernel_is_trusted_there(tiny_models, harness, monkeypatch):
+    from engine.deterministic import rows
+    from engine.deterministic.mode import DETERMINISTIC
+
+    tiny = tiny_models["llama"]
+    weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer).weights
+    weights.use(DETERMINISTIC)
+    threads = torch.get_num_threads()
+    assert rows.row_weight(weights.lm_head) is not None
+    checked = []
+    monkeypatch.setattr(rows, "row_invariant", lambda row: checked.append(tuple(row.shape)) or False)
+    monkeypatch.setattr(rows, "_CHECKED", {})
+    try:
+        torch.set_num_threads(threads + 1)
+        assert rows.row_weight(weights.lm_head) is None  # failed here: the tiles take this thread count
+        assert checked == [tuple(weights.lm_head.shape)]
+    finally:
+        torch.set_num_threads(threads)
+    assert rows.row_weight(weights.lm_head) is not None  # still proven at the first count

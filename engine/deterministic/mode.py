@@ -2,8 +2,9 @@
 
 The model code asks its mode for a matmul (`linear`), an attention backend over a KV cache, a LoRA
 batch and a start-up check of its weights, and never tests the mode itself. `FAST` takes the quickest
-kernel for each shape; `DETERMINISTIC` (isolation.deterministic) takes fixed-tile kernels whose
-results for a row do not depend on what else shares the forward.
+kernel for each shape; `DETERMINISTIC` (isolation.deterministic) takes kernels whose results for a row
+do not depend on what else shares the forward: row_linear where its start-up check passes, else
+fixed-tile kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.adapters.lora import LoraBatch, LoraStacks
+from engine.deterministic import rows
 from engine.deterministic.attention import FixedTileAttention
 from engine.deterministic.lora import TiledLoraBatch
 from engine.deterministic.tiles import TileCheck, tiled_linear
@@ -43,14 +45,20 @@ class MathMode:
 
 
 class DeterministicMode(MathMode):
-    """Batch-invariant: every matmul in fixed row tiles, attention in fixed tiles read from the cache,
-    each adapter's LoRA alone in tiles. A row's logits are bitwise the same whatever shares its
-    forward, however its prompt was chunked; slower."""
+    """Batch-invariant: every matmul through row_linear (one fixed order of additions per output) or,
+    where its check fails or cannot run, in fixed row tiles; attention in fixed tiles read from the
+    cache, each adapter's LoRA alone in tiles. A row's logits are bitwise the same whatever shares its
+    forward, however its prompt was chunked."""
 
-    linear = staticmethod(tiled_linear)
+    @staticmethod
+    def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        row = rows.row_weight(weight)
+        if row is not None:
+            return row.linear(x, bias)
+        return tiled_linear(x, weight, bias)
 
     def check(self, matrices: list) -> None:
-        TileCheck.weights(matrices)
+        TileCheck.weights(rows.take(matrices))
 
     def attention(self, kv: KVCache) -> FixedTileAttention:
         return FixedTileAttention(kv)

@@ -54,6 +54,14 @@ class PackedWeight:
             return F.linear(x, self.plain, bias)
         return self.packed_linear(x, bias)
 
+    def matrix(self) -> torch.Tensor:
+        """The matrix as loaded: the plain copy, or (bf16) recovered from the packed one as I @ W^T. Each
+        output is one weight times 1 plus zeros, so it is the weight, except that a -0 comes back +0 and
+        a subnormal 0 (the kernel flushes them; its products see the same)."""
+        if self.plain is not None:
+            return self.plain
+        return self.packed_linear(torch.eye(self.shape[1], dtype=self.dtype)).t().contiguous()
+
     def packed_linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The packed kernel at any row count."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
