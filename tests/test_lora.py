@@ -81,7 +81,7 @@ def record_logits(core) -> dict:
     seen: dict[str, list] = {}
     execute, weights = core.runner.execute, core.runner.weights
 
-    def traced(plan):
+    def traced(plan, *args, **kwargs):
         def logits(hidden):
             out = Transformer.logits(weights, hidden)
             for chunk, row in zip(plan.sampled_chunks, out):
@@ -90,7 +90,7 @@ def record_logits(core) -> dict:
 
         weights.logits = logits
         try:
-            return execute(plan)
+            return execute(plan, *args, **kwargs)
         finally:
             del weights.logits
 
