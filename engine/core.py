@@ -33,6 +33,7 @@ from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.schedule.sequence import Sequence, Status
+from engine.speculate import NgramDrafter
 from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.engine")
@@ -61,7 +62,7 @@ class EngineCore:
         weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
-        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position))
+        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position), drafter=_drafter(options))
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
@@ -192,7 +193,7 @@ class EngineCore:
                 self.step_observer(len(plan.chunks))
             self.num_forwards += 1
             if self.options.audit:
-                self._audit(plan, out.segments)
+                self._audit(out.owners, out.segments)
             new_tokens = self.scheduler.update(plan, out.sampled)
             for seq in self.constraints.advance(new_tokens):  # a token its grammar refused: it ends alone
                 self.scheduler.finish(seq, Status.ERROR)
@@ -211,11 +212,11 @@ class EngineCore:
         self.loras.release(seq.lora)
         return self.output.answer(seq)
 
-    def _audit(self, plan, segments) -> None:
+    def _audit(self, owners, segments) -> None:
         """Log what this forward packed (`forward.mask`), or what broke isolation if anything did."""
-        record = forward_summary(self.num_forwards, [c.seq.question_id for c in plan.chunks], segments,
+        record = forward_summary(self.num_forwards, [c.seq.question_id for c in owners], segments,
                                  self.block_size, routing=self.options.debug,
-                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in plan.chunks])
+                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in owners])
         problems = violations(record)
         if problems:
             log.error("forward.isolation_violation", problems=problems, **record)
@@ -248,7 +249,17 @@ def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
         length_aware=options.length_aware,
         early_stop=options.early_stop,
         split_roles=options.deterministic,
+        speculative_policy=options.speculative_policy,
     )
+
+
+def _drafter(options: EngineOptions) -> NgramDrafter | None:
+    """speculative.method's drafter; None when off."""
+    if options.speculative == "off":
+        return None
+    log.info("speculative.on", method=options.speculative, max_draft_tokens=options.max_draft_tokens,
+             ngram=[options.ngram_min, options.ngram_max], policy=options.speculative_policy)
+    return NgramDrafter(options.max_draft_tokens, options.ngram_min, options.ngram_max)
 
 
 def _block_size(options: EngineOptions, attention) -> int:

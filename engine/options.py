@@ -15,6 +15,8 @@ from schemas import (
     PrefixScope,
     RoutingStrategy,
     SchedulingPolicy,
+    SpeculativeMethod,
+    SpeculativePolicy,
     UnknownFieldsPolicy,
 )
 
@@ -59,6 +61,11 @@ class EngineOptions:
     routing_buckets: int = _key("router.channel_pool_size")
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
+    speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram (docs/speculative.md)
+    max_draft_tokens: int = _key("speculative.max_draft_tokens")  # drafts verified per question per step
+    ngram_min: int = _key("speculative.ngram_min")
+    ngram_max: int = _key("speculative.ngram_max")
+    speculative_policy: SpeculativePolicy = _key("speculative.policy")  # auto | always
     defaults: Defaults = field(default_factory=Defaults)  # KEV_TEMPERATURE etc. are read by the config loader alone
 
     @classmethod

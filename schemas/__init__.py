@@ -42,7 +42,14 @@ from schemas.config import (
     SecurityConfig,
     TrustConfig,
 )
-from schemas.config import IntakeConfig, StructuredConfig, UnknownFieldsPolicy
+from schemas.config import (
+    IntakeConfig,
+    SpeculativeConfig,
+    SpeculativeMethod,
+    SpeculativePolicy,
+    StructuredConfig,
+    UnknownFieldsPolicy,
+)
 from schemas.config_validation import ConfigError, config_from_dict
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
@@ -110,6 +117,9 @@ __all__ = [
     "JsonSchemaFormat",
     "RegexFormat",
     "ResponseFormat",
+    "SpeculativeConfig",
+    "SpeculativeMethod",
+    "SpeculativePolicy",
     "StructuredConfig",
     "TextFormat",
     "UnknownFieldsPolicy",

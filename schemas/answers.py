@@ -22,6 +22,7 @@ class Usage(Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache (OpenAI: prompt_tokens_details.cached_tokens)
+    accepted_draft_tokens: int = 0  # completion tokens that came from speculative drafts (OpenAI's name)
 
 
 class Timings(Struct, frozen=True):
@@ -46,6 +47,9 @@ class Audit(Struct, frozen=True):
     # ("json_schema:3f2a..."); None when the answer was free text
     constraint: str | None = None
     ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know (intake.unknown_fields: report)
+    # speculative decoding: draft tokens verified for it, and those kept (each copied from its own tokens)
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class AnswerEvent(Struct, frozen=True):

@@ -263,6 +263,20 @@ class StructuredConfig(_Section):
     cache_size: Annotated[int, Meta(ge=1, le=100_000)] = 256  # compiled grammars kept, least recently used out
 
 
+SpeculativeMethod = Literal["off", "ngram"]  # speculative.method
+SpeculativePolicy = Literal["auto", "always"]  # speculative.policy
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding inside the packed forward (docs/speculative.md). Off by default."""
+
+    method: SpeculativeMethod = "off"  # ngram: prompt lookup over the question's own tokens
+    max_draft_tokens: Annotated[int, Meta(ge=1, le=64)] = 4  # drafts verified per question per step
+    ngram_min: Annotated[int, Meta(ge=1, le=64)] = 1  # shortest tail n-gram looked up
+    ngram_max: Annotated[int, Meta(ge=1, le=64)] = 3  # longest tail n-gram looked up (tried first)
+    policy: SpeculativePolicy = "always"  # auto: only while the step is small (docs/speculative.md)
+
+
 class KevConfig(_Section):
     deploy: DeployConfig = DeployConfig()
     router: RouterConfig = RouterConfig()
@@ -280,6 +294,7 @@ class KevConfig(_Section):
     adapters: AdaptersConfig = AdaptersConfig()
     intake: IntakeConfig = IntakeConfig()
     structured: StructuredConfig = StructuredConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 DEFAULT_CONFIG = KevConfig()  # every default, for code that runs without a kev.yaml

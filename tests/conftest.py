@@ -130,6 +130,7 @@ class Outcome:
     plans: list  # per forward (empty steps left out): [(qid, start, length, sample)] in row order
     positions: list  # per forward: the position ids fed to the model
     core: object
+    draws: dict = field(default_factory=dict)  # qid -> {index of the drawn token: its logits, the last computed}
 
     def tokens(self, qid: str) -> list[int]:
         return list(self.answers[qid].token_ids)
@@ -180,8 +181,12 @@ def run_core(model, questions: list[Q], options=None, *, later: dict[int, list] 
 
     def logits(hidden):
         result = Transformer.logits(weights, hidden)
-        for chunk, row in zip(current[0].sampled_chunks, result):
-            out.logits.setdefault(chunk.seq.question_id, []).append(row.detach().float().clone())
+        rows = iter(result)
+        for chunk in current[0].sampled_chunks:  # a drafting chunk draws a row per draft too
+            for i in range(chunk.num_sample_rows):
+                row = next(rows).detach().float().clone()
+                out.logits.setdefault(chunk.seq.question_id, []).append(row)
+                out.draws.setdefault(chunk.seq.question_id, {})[chunk.seq.num_tokens + i] = row
         return result
 
     original_schedule = core.scheduler.schedule

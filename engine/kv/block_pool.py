@@ -70,6 +70,14 @@ class BlockPool:
         blocks.extend(self._take(owner, missing, after=blocks[-1] if blocks else None))
         return True
 
+    def shrink(self, owner: str, blocks: list[int], num_tokens: int) -> None:
+        """Give back the trailing blocks of `blocks` that `num_tokens` tokens do not reach (in place)."""
+        keep = self.blocks_for(num_tokens)
+        if keep < len(blocks):
+            tail = blocks[keep:]
+            self.release(owner, tail)
+            del blocks[keep:]
+
     # -- the prefix cache ------------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Cached blocks for the leading run of `hashes`; sharing them costs `idle_among` free blocks."""

@@ -20,7 +20,8 @@ def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, 
         token_ids=output_ids,
         finish_reason=seq.status.finish_reason,
         usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(output_ids),
-                    cached_prompt_tokens=seq.cached_prompt_tokens),
+                    cached_prompt_tokens=seq.cached_prompt_tokens,
+                    accepted_draft_tokens=_accepted_drafts(seq, len(output_ids))),
         timings=_timings(seq),
         audit=Audit(worker=worker, channel=seq.channel, blocks=seq.audit_blocks,
                     steps=seq.steps, batch_sizes=_compact(seq.batch_sizes), adapter=seq.adapter,
@@ -28,9 +29,15 @@ def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, 
                     defaults_version=seq.params.defaults_version,
                     cached_prompt_tokens=seq.cached_prompt_tokens,
                     constraint=seq.constraint.spec.label if seq.constraint is not None else None,
-                    ignored_fields=seq.ignored_fields),
+                    ignored_fields=seq.ignored_fields,
+                    drafted_tokens=seq.drafted_tokens, accepted_draft_tokens=seq.accepted_draft_tokens),
         incomplete=_incomplete(seq, stream),
     )
+
+
+def _accepted_drafts(seq: Sequence, completion_tokens: int) -> int:
+    """Accepted drafts among the tokens the answer keeps (a stop string may cut some off the end)."""
+    return min(seq.accepted_draft_tokens, completion_tokens)
 
 
 def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:

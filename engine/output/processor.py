@@ -50,13 +50,17 @@ class OutputProcessor:
     def detokenize(self, new_tokens: list[tuple[Sequence, int]]) -> tuple[list[TokenDelta], list[Ending]]:
         """Each new token's settled text, and the questions its text ended, to finish this step."""
         deltas, ended = [], []
+        failed: set[str] = set()
         for seq, token in new_tokens:
             stream = self._streams[seq.question_id]
+            if stream.stopped or seq.question_id in failed:
+                continue  # a step that emitted several tokens (drafts): none after the one that ended it
             try:
                 deltas.append(TokenDelta(seq.question_id, token, stream.push(token)))
             except Exception as exc:  # this question's failure is its own: the batch goes on
                 seq.error = f"detokenizing failed: {exc}"
                 ended.append((seq, Status.ERROR))
+                failed.add(seq.question_id)
                 continue
             if stream.stopped and seq.status == Status.LENGTH:  # ended by both on one token: the stop string counts
                 seq.status = Status.STOPPED

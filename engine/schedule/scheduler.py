@@ -21,6 +21,8 @@ from engine.schedule.prefix_chain import (
 )
 from engine.schedule.sequence import Sequence, Status
 from engine.schedule.step_plan import Chunk, StepPlan
+from engine.schedule.speculation import Speculation
+from engine.speculate.ngram import NgramDrafter
 
 
 class Overloaded(Exception):
@@ -31,10 +33,11 @@ class PromptTooLong(ValueError):
     """The prompt alone does not fit one question's context or KV capacity."""
 
 
-class Scheduler:
+class Scheduler(Speculation):
     def __init__(self, pool: BlockPool, limits: SchedulerLimits = SchedulerLimits(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, drafter: NgramDrafter | None = None) -> None:
         self.pool = pool
+        self.drafter = drafter  # None: no speculative decoding
         self.limits = limits
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -45,6 +48,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_admitted = 0  # over first admissions: the prefix cache's hit rate
         self.cached_tokens_admitted = 0
+        self.num_draft_tokens = 0  # verified in forwards
+        self.num_accepted_draft_tokens = 0  # of those, emitted
 
     # -- intake -------------------------------------------------------------------------------
     @property
@@ -107,25 +112,35 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: list[int]) -> list[tuple[Sequence, int]]:
         """Record what the forward computed and drew; returns (question, new token) pairs."""
         tokens = iter(sampled)
-        new_tokens = []
+        new_tokens: list[tuple[Sequence, int]] = []
         for chunk in plan.chunks:
             seq = chunk.seq
+            drawn = [next(tokens) for _ in range(chunk.num_sample_rows)]
+            if chunk.draft:
+                self._verify(chunk, drawn, len(plan.chunks), new_tokens)
+                continue
             seq.num_computed_tokens += chunk.length
             name_filled_blocks(self.pool, seq)
             if not chunk.sample:
                 continue
-            token = next(tokens)
+            token = drawn[0]
             if seq.status.finished:  # lingering (early_stop=False): computed, never answered
                 seq.token_ids.append(token)
                 continue
-            seq.steps += 1
-            seq.batch_sizes.append(len(plan.chunks))
-            seq.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = self.clock()
-            new_tokens.append((seq, token))
-            self._check_limits(seq, token)
+            self._stepped(seq, len(plan.chunks))
+            self._emit(seq, token, new_tokens)
         return new_tokens
+
+    def _stepped(self, seq: Sequence, batch_size: int) -> None:
+        seq.steps += 1
+        seq.batch_sizes.append(batch_size)
+
+    def _emit(self, seq: Sequence, token: int, new_tokens: list) -> None:
+        seq.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = self.clock()
+        new_tokens.append((seq, token))
+        self._check_limits(seq, token)
 
     def finish(self, seq: Sequence, status: Status) -> None:
         """End a question now; its blocks go back to the pool this step (unless early_stop is off)."""
@@ -165,7 +180,11 @@ class Scheduler:
             # Leave a token for every question behind this one: a long prefill never stalls their decodes.
             behind = len(self.running) - 1 - self.running.index(seq)
             length = self._chunk_length(seq, max(1, budget - behind))
-            if self._reserve(seq, length, plan):
+            draft = self._draft(seq, length, budget - behind, behind)
+            if draft:
+                plan.chunks.append(self._chunk(seq, length, draft))
+                budget -= length + len(draft)
+            elif self._reserve(seq, length, plan):
                 plan.chunks.append(self._chunk(seq, length))
                 budget -= length
         return budget
@@ -264,9 +283,10 @@ class Scheduler:
             length = min(length, prompt_left if prompt_left > 0 else 1)
         return length
 
-    def _chunk(self, seq: Sequence, length: int) -> Chunk:
+    def _chunk(self, seq: Sequence, length: int, draft: tuple[int, ...] = ()) -> Chunk:
         start = seq.num_computed_tokens
-        return Chunk(seq=seq, start=start, length=length, sample=start + length == seq.num_tokens)
+        return Chunk(seq=seq, start=start, length=length + len(draft), sample=start + length == seq.num_tokens,
+                     draft=draft)
 
     def _check_limits(self, seq: Sequence, token: int) -> None:
         if token in seq.params.stop_token_ids:

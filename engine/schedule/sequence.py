@@ -95,6 +95,8 @@ class Sequence:
     overtaken: int = 0  # later questions admitted while it did not fit (bounded: no starvation)
     constraint: object | None = None  # its response_format's grammar state (engine.constrain.state.Constraint)
     ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know, for the audit
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified for it
+    accepted_draft_tokens: int = 0  # of those, the ones it emitted (the model agreed with them)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -15,10 +15,19 @@ class Chunk:
     start: int  # tokens already in this question's cache; also its first position this step
     length: int  # tokens computed this step (1 for a decode)
     sample: bool  # True when the chunk reaches the end of the known tokens, so a next token is drawn
+    # Speculative decoding (engine/speculate/): tokens proposed after the question's last one, computed
+    # in this chunk's last rows (included in `length`) and kept only as far as the model agrees.
+    draft: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.length]
+        known = self.seq.token_ids[self.start : self.start + self.length - len(self.draft)]
+        return known + list(self.draft) if self.draft else known
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose next token is drawn: the last one, and with a draft every draft row too."""
+        return 1 + len(self.draft) if self.sample else 0
 
 
 @dataclass
@@ -35,6 +44,15 @@ class StepPlan:
     @property
     def sampled_chunks(self) -> list[Chunk]:
         return [c for c in self.chunks if c.sample]
+
+    @property
+    def sample_row_chunks(self) -> list[Chunk]:
+        """The chunk of each drawn row, in logits row order (a drafting chunk once per row)."""
+        return [c for c in self.chunks for _ in range(c.num_sample_rows)]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft) for c in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
