@@ -135,6 +135,7 @@ async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     assert value(scraped, "kev_cached_prompt_tokens_total") == 0
     assert value(scraped, "kev_running_questions") == value(scraped, "kev_waiting_questions") == 0
     assert value(scraped, "kev_preemptions_total") == 0
+    assert value(scraped, "kev_draft_tokens_total") == value(scraped, "kev_accepted_draft_tokens_total") == 0  # off
     assert {dict(ls)["mailbox"] for n, ls in scraped if n == "kev_mailbox_depth"} == {"engine.questions",
                                                                                        "engine.answers"}
     assert not [n for n, _ in scraped if n == "kev_errors_total"]  # no error code seen, so no series

@@ -208,6 +208,21 @@ def test_the_audit_is_clean_and_counts_drafts(tiny_models, harness, logs):
         assert answer.usage.accepted_draft_tokens <= answer.usage.completion_tokens
 
 
+def test_metrics_count_drafted_and_accepted_tokens(tiny_models, harness):
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kev_async.observe.metrics import Metrics
+
+    on = harness.run_core(tiny_models[KIND].kev, looping_prompts(harness, 4, seed=19), harness.tiny_options(**SPEC))
+    metrics = Metrics()
+    metrics.live.attach_engine(SimpleNamespace(core=on.core))
+    scraped = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert scraped["kev_draft_tokens_total"] == sum(a.audit.drafted_tokens for a in on.answers.values()) > 0
+    assert scraped["kev_accepted_draft_tokens_total"] == accepted(on) > 0
+
+
 # -- no stale KV: every emitted token's logits are those of a run without drafts ----------------------
 
 class ScriptedDrafter:

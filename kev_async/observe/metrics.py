@@ -278,10 +278,14 @@ _COUNTERS = {
     "generated": ("kev_generated_tokens", "Tokens generated."),
     "forwards": ("kev_forwards", "Packed forward passes."),
     "preemptions": ("kev_preemptions", "Questions preempted for KV room."),
+    "draft_tokens": ("kev_draft_tokens", "Speculative draft tokens verified in forwards (speculative.method)."),
+    "accepted_draft_tokens": ("kev_accepted_draft_tokens", "Speculative draft tokens the model agreed with and "
+                              "emitted; over kev_draft_tokens: the acceptance rate."),
     **STRUCTURED_COUNTERS,
 }
 
 
 def _engine_counts(core) -> dict[str, float]:
     return {"generated": core.num_generated, "forwards": core.num_forwards,
-            "preemptions": core.scheduler.num_preemptions, **structured_counts(core.constraints)}
+            "preemptions": core.scheduler.num_preemptions, "draft_tokens": core.scheduler.num_draft_tokens,
+            "accepted_draft_tokens": core.scheduler.num_accepted_draft_tokens, **structured_counts(core.constraints)}
