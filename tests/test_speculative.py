@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from engine.audit import violations
 from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.speculate import NgramDrafter, ngram_draft
+from engine.speculate.drafts import AUTO_MAX_ROWS
 from schemas import Params
 
 KIND = "llama"
@@ -135,6 +136,22 @@ def test_prefix_cache_with_drafts(tiny_models, harness, count):
     prompt_hashes = {h for q in questions for h in chain_hashes(salt, q.prompt_ids, 4)}
     named = {on.core.pool.cache.hash_of(b) for b in range(on.core.pool.num_blocks)} - {None}
     assert named and named <= prompt_hashes
+
+
+def test_int8_kv_with_drafts(tiny_models, harness):
+    """Rejected drafts' int8 rows and scales are never read either."""
+    off, on = run_both(harness, tiny_models[KIND].kev, looping_prompts(harness, 8, seed=31), kv_dtype="int8")
+    assert accepted(on) > 0
+
+
+def test_policy_auto_drafts_only_while_the_batch_is_small(tiny_models, harness):
+    questions = looping_prompts(harness, 2 * AUTO_MAX_ROWS, seed=33)
+    off, on = run_both(harness, tiny_models[KIND].kev, questions, speculative_policy="auto")
+    prompt_len = {q.qid: len(q.prompt_ids) for q in questions}
+    drafting = [plan for plan in on.plans
+                if any(length > 1 and start >= prompt_len[qid] for qid, start, length, _ in plan)]
+    assert drafting and all(len(plan) <= AUTO_MAX_ROWS for plan in drafting)
+    assert max(len(plan) for plan in on.plans) > AUTO_MAX_ROWS  # it did run bigger steps, without drafts
 
 
 def test_stop_tokens_stop_strings_and_budgets_are_exact(tiny_models, harness):
