@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_models import DEVICE, byte_tokenizer, keep_fp32_exact, kev_model_on, save_model_dir, tiny_llama
+from gpu.gpu_models import DEVICE, byte_tokenizer, keep_fp32_exact, kev_model_on, save_model_dir, tiny_llama
 
 REQUIRED = torch.cuda.is_available() or os.environ.get("KEV_GPU_REQUIRED") == "1"
 

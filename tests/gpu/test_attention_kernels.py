@@ -13,7 +13,7 @@ from engine.kernels.attention import Segment, TorchAttention
 from engine.kernels.flash import FlashAttention
 from engine.kv.cache import KVCache
 from engine.model.model import spec_from_config
-from gpu_models import CUDA_ONLY, DEVICE, attention_backends, tiny_llama
+from gpu.gpu_models import CUDA_ONLY, DEVICE, attention_backends, tiny_llama
 
 pytestmark = CUDA_ONLY
 

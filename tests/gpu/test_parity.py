@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from engine import EngineCore
-from gpu_models import CUDA_ONLY, DEVICE, attention_backends
-from reference import (assert_follows_greedy, assert_logits_close, assert_same_or_near_tie, first_difference, hf_greedy,
+from gpu.gpu_models import CUDA_ONLY, DEVICE, attention_backends
+from gpu.reference import (assert_follows_greedy, assert_logits_close, assert_same_or_near_tie, first_difference, hf_greedy,
                        teacher_forced)
 
 pytestmark = CUDA_ONLY

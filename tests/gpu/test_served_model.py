@@ -17,8 +17,8 @@ import torch
 from engine import EngineCore, load_model
 from engine.model.loader import resolve_model_dir
 from engine.prompt import encode_prompt
-from gpu_models import CUDA_ONLY, DEVICE, keep_fp32_exact
-from reference import assert_follows_greedy, assert_same_or_near_tie, first_difference, hf_greedy, teacher_forced
+from gpu.gpu_models import CUDA_ONLY, DEVICE, keep_fp32_exact
+from gpu.reference import assert_follows_greedy, assert_same_or_near_tie, first_difference, hf_greedy, teacher_forced
 from schemas import QuestionEvent
 
 pytestmark = CUDA_ONLY
