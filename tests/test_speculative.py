@@ -299,3 +299,26 @@ def test_deterministic_mode_bitwise_with_and_without_drafts(tiny_models, harness
         for j in range(len(on.answers[q.qid].token_ids)):
             index = len(q.prompt_ids) + j
             assert torch.equal(on.draws[q.qid][index], off.draws[q.qid][index]), (q.qid, j)
+
+
+# -- the real model: an answer that quotes its prompt -------------------------------------------------
+
+EXTRACTION = ("Here is a shipping note: 'Order 4471 ships on Tuesday from the Rotterdam warehouse to "
+              "Anna Berg, 12 Linden Street, Uppsala, by express courier.' Copy the sentence inside the quotes "
+              "exactly, word for word.")
+
+
+@pytest.mark.slow
+def test_smollm2_extraction_answers_unchanged_and_mostly_drafted(smollm2):
+    from engine import IsolatedBatchPipeline
+
+    questions = [EXTRACTION, "Write a haiku about autumn."]
+    off = IsolatedBatchPipeline(smollm2, max_batch_size=4).run(questions, max_new_tokens=48, temperature=0.0)
+    pipeline = IsolatedBatchPipeline(smollm2, max_batch_size=4, speculative="ngram")
+    on = pipeline.run(questions, max_new_tokens=48, temperature=0.0)
+    assert [a.token_ids for a in on] == [a.token_ids for a in off]
+    quoted = on[0]
+    assert "Rotterdam" in quoted.text
+    # Most of a quoted answer comes from drafts: fewer forwards than tokens.
+    assert quoted.usage.accepted_draft_tokens >= quoted.usage.completion_tokens // 3
+    assert quoted.audit.steps < quoted.usage.completion_tokens
