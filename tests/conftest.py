@@ -175,9 +175,9 @@ def run_core(model, questions: list[Q], options=None, *, later: dict[int, list] 
             out.plans.append([(c.seq.question_id, c.start, c.length, c.sample) for c in plan.chunks])
         return plan
 
-    def forward(ids, positions, attend):
+    def forward(ids, positions, attend, **lora):  # lora=: the step's adapters, when any question has one
         out.positions.append(positions.tolist())
-        return Transformer.forward(weights, ids, positions, attend)
+        return Transformer.forward(weights, ids, positions, attend, **lora)
 
     def logits(hidden):
         result = Transformer.logits(weights, hidden)

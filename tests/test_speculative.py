@@ -144,6 +144,27 @@ def test_int8_kv_with_drafts(tiny_models, harness):
     assert accepted(on) > 0
 
 
+def test_questions_on_adapters_draft_and_keep_their_answers(tiny_models, harness, tmp_path):
+    """Verify rows carry their question's LoRA adapter like any of its rows."""
+    from test_lora import ALL_LINEAR, QV, make_adapter
+
+    hf = tiny_models[KIND].hf
+    dirs = {"qv": make_adapter(hf, tmp_path / "qv", QV, seed=1),
+            "all": make_adapter(hf, tmp_path / "all", ALL_LINEAR, rslora=True, seed=2)}
+    questions = looping_prompts(harness, 6, seed=37)
+    for i, q in enumerate(questions):
+        q.event["adapter"] = [None, "qv", "all"][i % 3]
+    outcomes = {}
+    for name, options in (("off", {}), ("on", SPEC)):
+        core = _core(tiny_models[KIND].kev, harness.tiny_options(**options))
+        for adapter, directory in dirs.items():
+            core.load_adapter(adapter, directory)
+        outcomes[name] = harness.run_core(tiny_models[KIND].kev, questions, core=core)
+    for q in questions:
+        assert outcomes["on"].tokens(q.qid) == outcomes["off"].tokens(q.qid), q.qid
+    assert accepted(outcomes["on"]) > 0
+
+
 def test_policy_auto_drafts_only_while_the_batch_is_small(tiny_models, harness):
     questions = looping_prompts(harness, 2 * AUTO_MAX_ROWS, seed=33)
     off, on = run_both(harness, tiny_models[KIND].kev, questions, speculative_policy="auto")
