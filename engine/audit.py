@@ -7,12 +7,31 @@ from engine.kernels.attention import Segment
 CHAIN_HEX = 16  # hex digits of a block hash kept in a record: 64 bits, plenty to tell prefixes apart
 
 
+def per_question(owners: list, segments: list[Segment]) -> tuple[list, list[Segment], list[int]]:
+    """The forward's segments one per chunk: a drafting chunk's single-row verify segments (the runner
+    gives each row its own, engine/model/runner.py) become one, as the question's rows are one run.
+    Returns (chunks, segments, draft rows of each)."""
+    chunks: list = []
+    merged: list[Segment] = []
+    for chunk, seg in zip(owners, segments):
+        if chunks and chunks[-1] is chunk:
+            last = merged[-1]
+            merged[-1] = Segment(last.q_start, last.q_len + seg.q_len, seg.kv_len, last.block_ids, last.generated)
+        else:
+            chunks.append(chunk)
+            merged.append(seg)
+    return chunks, merged, [len(chunk.draft) for chunk in chunks]
+
+
 def forward_summary(step: int, question_ids: list[str], segments: list[Segment], block_size: int,
-                    routing: bool = False, prefixes: list[list[bytes]] | None = None) -> dict:
+                    routing: bool = False, prefixes: list[list[bytes]] | None = None,
+                    drafts: list[int] | None = None) -> dict:
     """One `forward.mask` record: per question its rows, positions, kv length and blocks.
 
     `prefixes[i]`: the hash chain of segment i's leading cached (read-only, shareable) blocks; a
     segment with one gets `shared_prefix_len` (tokens) and `prefix_chain` (short hashes).
+    `drafts[i]`: speculative draft rows at the end of segment i; a segment with any gets `draft_rows`
+    (its next forward may start up to that many positions before this one's kv_len: rejected drafts).
     """
     record = {
         "forward": step,
@@ -29,6 +48,9 @@ def forward_summary(step: int, question_ids: list[str], segments: list[Segment],
             for qid, seg in zip(question_ids, segments)
         ],
     }
+    for seg, rows in zip(record["segments"], drafts or ()):
+        if rows:
+            seg["draft_rows"] = rows
     for seg, chain in zip(record["segments"], prefixes or ()):
         if chain:
             seg["shared_prefix_len"] = len(chain) * block_size

@@ -16,7 +16,7 @@ import structlog
 
 from engine.adapters.files import LoraAdapter
 from engine.adapters.pool import LoraPool
-from engine.audit import forward_summary, violations
+from engine.audit import forward_summary, per_question, violations
 from engine.defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
 from engine.constrain import Constraints
@@ -214,9 +214,10 @@ class EngineCore:
 
     def _audit(self, owners, segments) -> None:
         """Log what this forward packed (`forward.mask`), or what broke isolation if anything did."""
-        record = forward_summary(self.num_forwards, [c.seq.question_id for c in owners], segments,
+        chunks, segments, drafts = per_question(owners, segments)
+        record = forward_summary(self.num_forwards, [c.seq.question_id for c in chunks], segments,
                                  self.block_size, routing=self.options.debug,
-                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in owners])
+                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in chunks], drafts=drafts)
         problems = violations(record)
         if problems:
             log.error("forward.isolation_violation", problems=problems, **record)

@@ -4,6 +4,7 @@ Drafts come from a question's own tokens only; verification rows share the packe
 questions' prompt chunks and decodes; rejected drafts leave no KV that a later step reads.
 """
 
+import json
 import random
 
 import msgspec
@@ -236,14 +237,29 @@ def test_a_neighbour_holding_the_victims_answer_changes_none_of_its_drafts(tiny_
         solo.token_ids, solo.audit.drafted_tokens, solo.audit.accepted_draft_tokens)
 
 
-def test_the_audit_is_clean_and_counts_drafts(tiny_models, harness, logs):
+def test_the_audit_is_clean_and_counts_drafts(tiny_models, harness, tmp_path, capsys):
+    """A drafting question is one segment of its forward (draft_rows: k), and `kev audit check` accepts
+    the next forward starting back at its first rejected draft's position."""
+    from test_audit_tools import json_log_to
+
+    from kev_async.cli import main
+
     questions = looping_prompts(harness, 8, seed=17)
-    on = harness.run_core(tiny_models[KIND].kev, questions, harness.tiny_options(audit=True, **SPEC))
-    records = [r for r in logs if r["event"] in ("forward.mask", "forward.isolation_violation")]
-    assert records and all(r["event"] == "forward.mask" and not violations(r) for r in records)
+    path = tmp_path / "run.log"
+    with json_log_to(path):
+        on = harness.run_core(tiny_models[KIND].kev, questions, harness.tiny_options(audit=True, block_size=4, **SPEC))
+    records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    masks = [r for r in records if r["event"] in ("forward.mask", "forward.isolation_violation")]
+    assert masks and all(r["event"] == "forward.mask" and not violations(r) for r in masks)
+    drafting = [seg for r in masks for seg in r["segments"] if seg.get("draft_rows")]
+    assert drafting and all(seg["rows"][1] - seg["rows"][0] == seg["draft_rows"] + 1 for seg in drafting)
+    assert all(len({seg["question_id"] for seg in r["segments"]}) == len(r["segments"]) for r in masks)
+    assert main(["audit", "check", str(path)]) == 0, capsys.readouterr().out
+    assert "OK:" in capsys.readouterr().out
     for answer in on.answers.values():
         assert answer.audit.accepted_draft_tokens <= answer.audit.drafted_tokens
         assert answer.usage.accepted_draft_tokens <= answer.usage.completion_tokens
+    assert sum(a.audit.drafted_tokens - a.audit.accepted_draft_tokens for a in on.answers.values()) > 0  # rolled back
 
 
 def test_metrics_count_drafted_and_accepted_tokens(tiny_models, harness):

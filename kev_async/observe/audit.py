@@ -138,7 +138,7 @@ def check_log(log: AuditLog) -> CheckReport:
     report = CheckReport(forwards=len(log.records), runs=log.runs)
     report.problems += [("log", f"malformed audit record at {m}") for m in log.malformed]
     questions: set[tuple[int, str]] = set()
-    last_end: dict[tuple[int, str], tuple[int, str]] = {}  # (run, qid) -> (kv_len, label of that forward)
+    last_end: dict[tuple[int, str], tuple[int, str, int]] = {}  # (run, qid) -> (kv_len, its forward, draft rows)
     from_start = {r.run for r in log.records if r.forward == 1}  # runs whose log begins at forward 1
     for rec in log.records:
         data, where = rec.data, rec.label
@@ -168,8 +168,10 @@ def check_log(log: AuditLog) -> CheckReport:
                     found.append(f"block {block} is held by both {holder} and {qid}")  # engine's wording
             start = seg["positions"][0]
             if key in last_end:
-                previous, prev_where = last_end[key]
-                if start in (0, shared) and start < previous:  # preempted: recomputed past its cached prefix
+                previous, prev_where, drafted = last_end[key]
+                if previous - drafted <= start < previous:  # its rejected drafts' positions, computed again
+                    pass
+                elif start in (0, shared) and start < previous:  # preempted: recomputed past its cached prefix
                     report.restarts += 1
                 elif start > previous:
                     found.append(f"{qid}: positions start at {start}, but its previous forward ({prev_where}) "
@@ -180,7 +182,7 @@ def check_log(log: AuditLog) -> CheckReport:
             elif start not in (0, shared) and rec.run in from_start:
                 found.append(f"{qid}: first seen at position {start}, not 0 (its earlier positions were "
                              f"never computed)")
-            last_end[key] = (seg["kv_len"], where)
+            last_end[key] = (seg["kv_len"], where, seg.get("draft_rows") or 0)
         for problem in dict.fromkeys(found):  # keep order, drop duplicates
             report.problems.append((where, problem))
     report.questions = len(questions)
