@@ -203,6 +203,34 @@ def test_stop_tokens_stop_strings_and_budgets_are_exact(tiny_models, harness):
     assert accepted(on) > 0
 
 
+def test_streamed_tokens_and_text_stop_where_they_stop_without_drafts(tiny_models, harness):
+    """Several tokens per step stream as several deltas; none after the one that completes a stop string."""
+    from schemas import QuestionEvent
+
+    free = looping_prompts(harness, 6, seed=29)
+    plain = harness.run_core(tiny_models[KIND].kev, free, harness.tiny_options())
+    streams = {}
+    for name, options in (("off", {}), ("on", SPEC)):
+        core = _core(tiny_models[KIND].kev, harness.tiny_options(**options))
+        for q in free:
+            text = plain.answers[q.qid].text
+            stop = [text[3:6]] if len(text) > 8 else []
+            core.add(QuestionEvent(question_id=q.qid, prompt="(ids)", params=Params(**q.params, stop=stop)),
+                     prompt_ids=q.prompt_ids)
+        deltas, answers = {q.qid: [] for q in free}, {}
+        while core.has_work:
+            events = core.step()
+            for delta in events.deltas:
+                deltas[delta.question_id].append(delta)
+            answers.update((a.question_id, a) for a in events.answers)
+        for qid, got in deltas.items():
+            shown = "".join(d.text for d in got)
+            assert answers[qid].text.startswith(shown)
+        streams[name] = ({qid: [d.token_id for d in got] for qid, got in deltas.items()},
+                         {qid: (a.text, a.token_ids) for qid, a in answers.items()})
+    assert streams["on"] == streams["off"]
+
+
 def test_seeded_sampling_draws_exactly_what_it_draws_without_drafts(tiny_models, harness):
     """A sampled row's draw uses the noise of its position; a draft is kept iff the row drew it."""
     questions = looping_prompts(harness, 8, seed=9)
