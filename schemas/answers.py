@@ -22,7 +22,7 @@ class Usage(Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache (OpenAI: prompt_tokens_details.cached_tokens)
-    accepted_draft_tokens: int = 0  # completion tokens that came from speculative drafts (OpenAI's name)
+    accepted_draft_tokens: int = 0  # completion tokens that came from speculative drafts (docs/speculative.md)
 
 
 class Timings(Struct, frozen=True):
