@@ -176,6 +176,19 @@ def test_policy_auto_drafts_only_while_the_batch_is_small(tiny_models, harness):
     assert max(len(plan) for plan in on.plans) > AUTO_MAX_ROWS  # it did run bigger steps, without drafts
 
 
+def test_policy_auto_backs_off_a_question_whose_drafts_keep_failing(tiny_models, harness, reference):
+    q, plain = reference
+    answer = list(plain.answers["q"].token_ids)
+    runs = {}
+    for policy in ("always", "auto"):
+        core = _core(tiny_models[KIND].kev, harness.tiny_options(block_size=4, speculative_policy=policy, **SPEC))
+        core.scheduler.drafter = ScriptedDrafter(len(q.prompt_ids), answer, [0], 3)  # always wrong at once
+        runs[policy] = harness.run_core(tiny_models[KIND].kev, [q], core=core).answers["q"]
+    assert runs["auto"].token_ids == runs["always"].token_ids == tuple(answer)
+    assert runs["always"].audit.drafted_tokens > 2 * runs["auto"].audit.drafted_tokens > 0
+    assert runs["auto"].audit.accepted_draft_tokens == 0
+
+
 def test_stop_tokens_stop_strings_and_budgets_are_exact(tiny_models, harness):
     """Drafts past a stop token, a stop string or max_new_tokens are never emitted, though computed."""
     free = looping_prompts(harness, 9, seed=7)

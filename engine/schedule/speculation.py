@@ -9,7 +9,7 @@ from __future__ import annotations
 from engine.schedule.prefix_chain import name_filled_blocks
 from engine.schedule.sequence import Sequence
 from engine.schedule.step_plan import Chunk
-from engine.speculate.drafts import AUTO_MAX_ROWS, accepted_length, can_draft, draft_room, propose
+from engine.speculate.drafts import AUTO_MAX_ROWS, accepted_length, back_off, can_draft, draft_room, paused, propose
 
 
 class Speculation:
@@ -20,7 +20,7 @@ class Speculation:
         question behind it (each of those may need a new block for its own token this step)."""
         if self.drafter is None or length != 1 or not can_draft(seq):
             return ()
-        if self.limits.speculative_policy == "auto" and len(self.running) > AUTO_MAX_ROWS:
+        if self.limits.speculative_policy == "auto" and (len(self.running) > AUTO_MAX_ROWS or paused(seq)):
             return ()
         draft = propose(self.drafter, seq, draft_room(seq, budget, self.max_tokens_per_question))
         spare_blocks = max(0, self.pool.num_free - behind)
@@ -40,6 +40,7 @@ class Speculation:
         """
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, drawn)
+        back_off(seq, accepted)
         self.num_draft_tokens += len(draft)
         seq.drafted_tokens += len(draft)
         seq.num_computed_tokens += 1  # its last token, whatever the drafts

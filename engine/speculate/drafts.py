@@ -14,6 +14,7 @@ from engine.speculate.ngram import NgramDrafter
 # policy auto: speculate only while the step has at most this many rows before drafting. Below it a
 # decode step reads the weights once for few rows (memory bound), so extra verify rows cost little.
 AUTO_MAX_ROWS = 8
+MAX_BACKOFF = 16  # policy auto: most steps a question waits after its drafts keep failing
 
 
 def can_draft(seq: Sequence) -> bool:
@@ -33,6 +34,24 @@ def propose(drafter: NgramDrafter, seq: Sequence, room: int) -> tuple[int, ...]:
     if room <= 0:
         return ()
     return tuple(drafter.propose(seq.token_ids, room))
+
+
+def paused(seq: Sequence) -> bool:
+    """policy auto: True while a question waits out its backoff (counting the step down)."""
+    if seq.draft_pause > 0:
+        seq.draft_pause -= 1
+        return True
+    return False
+
+
+def back_off(seq: Sequence, accepted: int) -> None:
+    """After a wholly rejected draft, pause 1, 2, 4 .. MAX_BACKOFF steps (doubling while it keeps
+    failing); any accepted draft resets it. Text with nothing to copy soon stops costing verify rows."""
+    if accepted:
+        seq.draft_backoff = 0
+        return
+    seq.draft_backoff = min(MAX_BACKOFF, max(1, 2 * seq.draft_backoff))
+    seq.draft_pause = seq.draft_backoff
 
 
 def accepted_length(draft: tuple[int, ...], targets: list[int]) -> int:
