@@ -20,7 +20,7 @@ from engine.speculate.drafts import AUTO_MAX_ROWS
 from schemas import Params
 
 KIND = "llama"
-SPEC = dict(speculative="ngram")
+SPEC = dict(speculative="ngram", speculative_policy="always")  # every chance to draft: the strictest test
 
 
 # -- the drafter: pure prompt lookup ------------------------------------------------------------------
@@ -80,7 +80,7 @@ def looping_prompts(harness, count: int, seed: int, shared: list[int] | None = N
 
 def run_both(harness, model, questions, **options):
     off = harness.run_core(model, questions, harness.tiny_options(**options))
-    on = harness.run_core(model, questions, harness.tiny_options(**SPEC, **options))
+    on = harness.run_core(model, questions, harness.tiny_options(**{**SPEC, **options}))
     for q in questions:
         a, b = off.answers[q.qid], on.answers[q.qid]
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), q.qid
@@ -181,7 +181,7 @@ def test_policy_auto_backs_off_a_question_whose_drafts_keep_failing(tiny_models,
     answer = list(plain.answers["q"].token_ids)
     runs = {}
     for policy in ("always", "auto"):
-        core = _core(tiny_models[KIND].kev, harness.tiny_options(block_size=4, speculative_policy=policy, **SPEC))
+        core = _core(tiny_models[KIND].kev, harness.tiny_options(block_size=4, **{**SPEC, "speculative_policy": policy}))
         core.scheduler.drafter = ScriptedDrafter(len(q.prompt_ids), answer, [0], 3)  # always wrong at once
         runs[policy] = harness.run_core(tiny_models[KIND].kev, [q], core=core).answers["q"]
     assert runs["auto"].token_ids == runs["always"].token_ids == tuple(answer)
