@@ -65,6 +65,48 @@ def test_a_draft_is_what_followed_an_earlier_copy_of_the_tail(tokens, k, lo, ext
     assert draft == tokens[j + n : j + n + k]
 
 
+# -- the scheduler: what a verified draft leaves behind, on exact block ids -------------------------------
+
+def test_rejected_drafts_roll_back_positions_and_blocks():
+    from engine.kv.block_pool import BlockPool
+    from engine.schedule.scheduler import Scheduler
+    from engine.schedule.sequence import SamplingParams, Sequence
+
+    pool = BlockPool(8, 4)
+    sched = Scheduler(pool, drafter=NgramDrafter(4, 1, 3))
+    seq = Sequence("q", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_new_tokens=10, temperature=0.0))
+    sched.add(seq)
+    sched.update(sched.schedule(), [2])  # the prefill draws 2: ... 3, 1, 2 repeats the start
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert (chunk.start, chunk.draft, chunk.token_ids) == (7, (3, 1, 2), [2, 3, 1, 2])
+    assert len(seq.block_ids) == 3  # 11 positions: the drafts' third block taken for this step
+    assert sched.update(plan, [9, 1, 2, 3]) == [(seq, 9)]  # the first draft is wrong: the model's 9 instead
+    # 8 computed tokens fill 2 blocks: the third, taken for the drafts, is back in the pool.
+    assert (seq.num_computed_tokens, seq.num_tokens, len(seq.block_ids), pool.num_used) == (8, 9, 2, 2)
+    plan = sched.schedule()  # 9 at position 8, over the rejected draft's slot
+    assert plan.chunks[0].start == 8 and len(seq.block_ids) == 3
+    sched.update(plan, [7] * plan.chunks[0].num_sample_rows)
+    assert seq.num_computed_tokens == 9 and seq.output_ids[:2] == [2, 9]
+
+
+def test_accepted_drafts_advance_and_stop_exactly_at_the_budget():
+    from engine.kv.block_pool import BlockPool
+    from engine.schedule.scheduler import Scheduler
+    from engine.schedule.sequence import SamplingParams, Sequence, Status
+
+    pool = BlockPool(8, 4)
+    sched = Scheduler(pool, drafter=NgramDrafter(4, 1, 3))
+    seq = Sequence("q", [5, 6, 7, 8, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.0))
+    sched.add(seq)
+    sched.update(sched.schedule(), [7])  # ... 5, 6, 7: drafts 8, 5, 6 would follow
+    plan = sched.schedule()
+    assert plan.chunks[0].draft == (8, 5)  # 4 new tokens at most: 1 drawn + 2 drafts + the model's own
+    new = sched.update(plan, [8, 5, 4])
+    assert [t for _, t in new] == [8, 5, 4] and seq.output_ids == [7, 8, 5, 4]
+    assert seq.status == Status.LENGTH and seq.accepted_draft_tokens == 2 and pool.num_used == 0
+
+
 # -- the engine: answers unchanged --------------------------------------------------------------------
 
 def looping_prompts(harness, count: int, seed: int, shared: list[int] | None = None) -> list:
