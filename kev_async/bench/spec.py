@@ -16,7 +16,7 @@ import time
 from kev_async.bench.arguments import positive_int
 from kev_async.bench.model import bench_model
 from kev_async.sample_questions import QUESTIONS
-from schemas import DEFAULT_MODEL
+from schemas import DEFAULT_CONFIG, DEFAULT_MODEL
 
 # torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
@@ -42,6 +42,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--concurrency", default="1,4", help="comma-separated question counts (default 1,4)")
     bench.add_argument("--max-new-tokens", type=positive_int("max new tokens"), default=64)
     bench.add_argument("--max-draft-tokens", type=positive_int("max draft tokens"), default=4)
+    bench.add_argument("--policy", choices=["auto", "always"], default=DEFAULT_CONFIG.speculative.policy,
+                       help="speculative.policy of the ngram runs")
     bench.add_argument("--repeats", type=positive_int("repeats"), default=3, help="runs per variant; median kept")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     bench.set_defaults(func=_cli)
@@ -52,22 +54,23 @@ def _cli(args: argparse.Namespace) -> int:
     if not counts or min(counts) < 1:
         raise SystemExit("--concurrency: one or more positive counts, e.g. 1,4")
     bench_spec(bench_model(args), counts=counts, max_new_tokens=args.max_new_tokens,
-               max_draft_tokens=args.max_draft_tokens, repeats=args.repeats)
+               max_draft_tokens=args.max_draft_tokens, repeats=args.repeats, policy=args.policy)
     return 0
 
 
 def bench_spec(model, *, counts: list[int], max_new_tokens: int = 64, max_draft_tokens: int = 4,
-               repeats: int = 3, out=print) -> list[dict]:
+               repeats: int = 3, policy: str = "auto", out=print) -> list[dict]:
     import torch
 
     from engine.pipeline import IsolatedBatchPipeline
 
     pipes = {mode: IsolatedBatchPipeline(model, max_batch_size=max(counts), speculative=mode,
-                                         max_draft_tokens=max_draft_tokens) for mode in ("off", "ngram")}
+                                         max_draft_tokens=max_draft_tokens, speculative_policy=policy)
+             for mode in ("off", "ngram")}
     for pipe in pipes.values():
         pipe.run(QUESTIONS[:1], max_new_tokens=2, temperature=0.0)  # warm-up: first-call allocations
     out(f"model {model.name} ({model.dtype}), <= {max_new_tokens} new tokens, greedy, up to {max_draft_tokens} "
-        f"drafts, median of {repeats}, torch threads {torch.get_num_threads()}")
+        f"drafts, policy {policy}, median of {repeats}, torch threads {torch.get_num_threads()}")
     out("| workload | questions | off tokens/s | ngram tokens/s | ngram/off | forwards off | forwards ngram | "
         "drafted | accepted | identical |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
