@@ -267,3 +267,13 @@ def test_the_device_unpacking_equals_the_host_one():
     bits = torch.randint(-2**31, 2**31 - 1, (3, 40), dtype=torch.int32)
     for width in (1000, 1280, 1500):  # narrower than the mask, equal, wider (padded as blocked)
         assert torch.equal(bias_rows(bits, width), torch.stack([bias_row(row, width) for row in bits]))
+
+
+def test_models_sharing_a_tokenizer_each_get_their_own_eos(smollm2_tokenizer):
+    # The llguidance view is cached per tokenizer; a view built for one model's EOS let another model's
+    # constrained answers run to `length` (seen when the speculative tests ran before these).
+    from engine.constrain.grammars import llg_tokenizer
+
+    first, second = llg_tokenizer(smollm2_tokenizer, 2), llg_tokenizer(smollm2_tokenizer, 5)
+    assert (first.eos_token, second.eos_token) == (2, 5)
+    assert llg_tokenizer(smollm2_tokenizer, 2) is first

@@ -23,7 +23,9 @@ import torch
 from schemas.constraint import ConstraintSpec, InvalidConstraint
 
 log = structlog.get_logger("kev.structured")
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF tokenizer -> LLTokenizer
+# HF tokenizer -> {EOS id -> LLTokenizer}: the view carries its EOS, and two models may share a tokenizer
+# object with different EOS ids (a view built for one would let the other's answers stop at the wrong token).
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
 
 
@@ -43,14 +45,16 @@ class GrammarStats:
 
 
 def llg_tokenizer(tokenizer, eos_token_id: int) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face fast tokenizer; built once per tokenizer (~0.5 s for 49k tokens)."""
+    """llguidance's view of a Hugging Face fast tokenizer with that EOS; built once per pair (~0.5 s for 49k
+    tokens)."""
     with _TOKENIZERS_LOCK:
-        built = _TOKENIZERS.get(tokenizer)
+        views = _TOKENIZERS.setdefault(tokenizer, {})
+        built = views.get(eos_token_id)
         if built is None:
             started = time.perf_counter()
             backend = tokenizer.backend_tokenizer
             built = llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos_token_id)
-            _TOKENIZERS[tokenizer] = built
+            views[eos_token_id] = built
             log.info("structured.tokenizer", vocab=built.vocab_size, ms=round((time.perf_counter() - started) * 1e3, 1))
         return built
 
