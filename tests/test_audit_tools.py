@@ -87,7 +87,9 @@ def test_check_passes_on_a_real_run(run_log, capsys):
     out = capsys.readouterr().out
     assert f"{len(records(run_log))} forwards" in out
     assert "questions:  4" in out and "max batch:  4 questions (forward 3)" in out
-    assert "skipped:    2 lines (1 not JSON, 1 other events)" in out
+    others = sum(1 for line in run_log.read_text().splitlines()
+                 if line.startswith("{") and json.loads(line).get("event") != "forward.mask")
+    assert others >= 1 and f"skipped:    {others + 1} lines (1 not JSON, {others} other events)" in out
     assert "OK:" in out and "VIOLATIONS" not in out
 
 
