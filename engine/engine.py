@@ -7,6 +7,7 @@ event loop in one call.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import sniffio
 import structlog
 
 from engine.adapters.files import LoraAdapter
@@ -83,6 +85,7 @@ class Engine:
     async def __aenter__(self) -> "Engine":
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        self._post = _loop_poster()
         self._task_group.start_soon(self._run_device_thread)
         return self
 
@@ -283,8 +286,11 @@ class Engine:
             self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
+        # Posted, not waited for: the device thread goes on to the next step while the event loop hands
+        # the tokens out (it used to wait for a busy loop, e.g. a Kafka worker's fetches, every step).
+        # The loop runs posted calls in order, and before it learns the thread has ended.
         if events.deltas or events.answers:
-            anyio.from_thread.run_sync(self._deliver, events)
+            self._post(self._deliver, events)
 
     def _deliver(self, events: StepEvents) -> None:
         touched = {}
@@ -307,3 +313,12 @@ class Engine:
             handle.end(answer)
         self._places.release()
         handle._notify()
+
+
+def _loop_poster():
+    """The running event loop's thread-safe "call this soon", for the device thread (asyncio or trio)."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    return asyncio.get_running_loop().call_soon_threadsafe
