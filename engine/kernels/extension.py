@@ -2,7 +2,7 @@
 
 The library goes into torch's extension cache under a name keyed by the source, its compiler flags, the
 CPU's flags and torch's version, so an edit, other flags or a cache carried to another CPU compile anew;
-a later start imports the library directly. (engine/kernels/paged_decode.py does the same for its kernel.)
+a later start imports the library directly. The paged decode and row_linear kernels are built here.
 """
 
 from __future__ import annotations

@@ -25,17 +25,15 @@ use the SDPA path (engine/kernels/attention.py's _DecodeGroups).
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import pathlib
 
-import structlog
 import torch
 
-log = structlog.get_logger("kev.engine.paged_decode")
+from engine.kernels import extension
 
 # The C++ source sits beside this file; its text is part of the build key, so an edit rebuilds it.
-_SOURCE = (pathlib.Path(__file__).parent / "paged_decode.cpp").read_text()
+_SOURCE_PATH = pathlib.Path(__file__).parent / "paged_decode.cpp"
 
 
 # -fno-trapping-math lets floor() vectorise in the softmax's exp; Kev never reads floating-point traps.
@@ -52,51 +50,10 @@ def kernel():
 @functools.cache
 def compiled(cflags: tuple[str, ...]):
     """The op built with these compiler flags (the engine's are _CFLAGS; the tests also build one
-    without AVX-512, the path CPUs without it take), or None where it cannot be built."""
-    name = f"kev_paged_decode_{_build_key(cflags)}"
-    try:
-        return _import_built(name).paged_decode
-    except Exception:  # not built on this machine yet (or not loadable): build it
-        pass
-    try:
-        from torch.utils.cpp_extension import load_inline  # pulls in setuptools: only when a build is needed
-
-        log.info("attention.paged_decode_building", note="once per machine, about a minute")
-        module = load_inline(name=name, cpp_sources=_SOURCE, functions=["paged_decode"],
-                             extra_cflags=list(cflags),
-                             extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # no compiler, no headers, a CPU the flags do not fit: the SDPA path works
-        log.warning("attention.paged_decode_unavailable", error=f"{type(error).__name__}: {error}"[:300])
-        return None
-    return module.paged_decode
-
-
-def _import_built(name: str):
-    """The library an earlier build left, imported directly. load_inline would re-run ninja under a lock
-    file on every start (~1 s more), and a process killed while holding that lock leaves every later
-    start waiting on it."""
-    import importlib.util
-
-    from torch.utils.cpp_extension import _get_build_directory  # as above: setuptools, only when loading a build
-
-    library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
-    spec = importlib.util.spec_from_file_location(name, library)
-    if spec is None or not os.path.exists(library):
-        raise FileNotFoundError(library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _build_key(cflags: tuple[str, ...]) -> str:
-    """This source, its compiler flags and this CPU's flags: a build for one CPU is never loaded on another."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1((_SOURCE + " ".join(cflags) + flags + torch.__version__).encode()).hexdigest()[:12]
+    without AVX-512, the path CPUs without it take), or None where it cannot be built (the SDPA path
+    works)."""
+    module = extension.build("kev_paged_decode", _SOURCE_PATH, ["paged_decode"], cflags)
+    return module.paged_decode if module is not None else None
 
 
 # The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).
