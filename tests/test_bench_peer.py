@@ -1,0 +1,112 @@
+"""`kev bench peer`: Kev's side measured for real on the tiny model, and the errors a user meets when the
+URL is not a llama-server. The llama.cpp side itself is measured in docs/speed.md; here a small HTTP
+server stands where llama-server would, answering its /completion shape (or not)."""
+
+import json
+import statistics
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kev_async.bench.peer import KevSide, decode_prompt, prefill_prompts
+from kev_async.cli import main
+
+pytest_plugins = ["serve_fixtures"]
+
+LLAMA_TIMINGS = {"cache_n": 0, "prompt_ms": 100.0, "prompt_per_token_ms": 2.0, "prompt_per_second": 500.0,
+                 "predicted_ms": 60.0, "predicted_per_token_ms": 4.0, "predicted_per_second": 250.0}
+
+
+def test_kev_side_times_every_token_of_one_answer_and_one_prompt(tiny_model):
+    prompt = decode_prompt(tiny_model)
+    kev = KevSide(tiny_model, max_tokens=len(prompt) + 200)
+    ms, tokens = kev.decode(prompt, 24)
+    assert len(tokens) == 24  # EOS ignored: the whole budget, as llama-server's ignore_eos
+    assert 0 < ms < 1000
+    assert kev.decode(prompt, 24)[1] == tokens  # greedy, alone: the same answer every repeat
+    prompts = prefill_prompts(tiny_model, 150, 3)
+    assert [len(p) for p in prompts] == [150, 150, 150] and len({tuple(p) for p in prompts}) == 3
+    assert all(kev.prefill(p) > 0 for p in prompts)
+    assert not kev.core.has_work
+
+
+def test_unreachable_url_is_one_clear_line(tiny_model_dir, capsys):
+    assert _peer(tiny_model_dir, "http://127.0.0.1:9") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kev bench peer: error: cannot reach http://127.0.0.1:9/props")
+    assert "llama-server -m" in err
+    assert _peer(tiny_model_dir, "localhost:8081") == 2
+    assert "give an http:// or https:// URL" in capsys.readouterr().err
+
+
+def test_a_server_without_timings_is_not_llama_server(tiny_model_dir, capsys):
+    with _server(lambda body: {"choices": [{"text": "hi"}]}) as url:  # an OpenAI-style answer
+        assert _peer(tiny_model_dir, url) == 2
+    assert "without llama-server's `timings`" in capsys.readouterr().err
+
+
+def test_the_table_puts_kev_beside_the_servers_timings(tiny_model_dir, capsys):
+    def llama(body):
+        timings = {**LLAMA_TIMINGS, "prompt_n": len(body["prompt"]), "predicted_n": body["n_predict"]}
+        return {"content": "", "tokens": [7] * body["n_predict"], "timings": timings}
+
+    with _server(llama) as url:
+        assert _peer(tiny_model_dir, url, "--repeats", "3", "--new-tokens", "12", "--prompt-tokens", "120") == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("machine: ") and "(" in line for line in out.splitlines())  # the CPU and its flags
+    decode = _row(out, "| decode, one question (ms/token) |")
+    prefill = _row(out, "| prefill, 120-token prompt (tokens/s) |")
+    assert decode[1] == 4.0 and prefill[1] == 500.0  # llama.cpp's own timings, as it sent them
+    assert decode[2] == pytest.approx(4.0 / decode[0], rel=0.02)  # ms: llama / kev; tokens/s: kev / llama
+    assert prefill[2] == pytest.approx(prefill[0] / 500.0, rel=0.02)
+    kev_ms = [float(v) for v in _after(out, "kev decode per repeat: ").split(", ")]
+    assert len(kev_ms) == 3 and statistics.median(kev_ms) == pytest.approx(decode[0], abs=0.01)
+    assert "greedy tokens, kev vs llama.cpp: " in out and "/12); every repeat the same answer on each side: yes" in out
+
+
+def _peer(model_dir, url: str, *extra: str) -> int:
+    return main(["bench", "peer", "--url", url, "--model", str(model_dir), "--threads", "2", *extra])
+
+
+def _row(out: str, start: str) -> list[float]:
+    cells = next(line for line in out.splitlines() if line.startswith(start)).split("|")[2:5]
+    return [float(cell.strip().rstrip("x")) for cell in cells]
+
+
+def _after(out: str, marker: str) -> str:
+    return next(line for line in out.splitlines() if marker in line).split(marker, 1)[1]
+
+
+class _server:
+    """A real HTTP server on a free port: 404 on /props, `answer(body)` as JSON on POST /completion."""
+
+    def __init__(self, answer):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._send(404, {"error": "not here"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(200, answer(body))
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_port}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
