@@ -86,7 +86,8 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     if model is None:
         model = await anyio.to_thread.run_sync(
             partial(load_model, cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
-                    weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32))
+                    weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32,
+                    matmul=cfg.core.matmul))
     options = EngineOptions.from_config(cfg, worker=name)
     capacity = 2 * cfg.router.max_parallel_queries
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)

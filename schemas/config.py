@@ -95,7 +95,10 @@ class CoreConfig(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     attention: AttentionBackend = "auto"  # engine/kernels/backend.py decides and logs `attention.backend`
     weights: Literal["full", "int8"] = "full"  # int8: weight-only int8 matmuls, per-output-channel scales
-    # fp32 on CPU: each matrix also in oneDNN's packed layout, used for 4-96-row products (decode steps,
+    # CPU weight matmuls: row_linear keeps a row's bits whatever shares its step (isolation at every
+    # precision); library is oneDNN/MKL; auto measures both at start and logs `matmul.kernel`
+    matmul: Literal["auto", "row_linear", "library"] = "auto"
+    # library, fp32 on CPU: each matrix also in oneDNN's packed layout, used for 4-96-row products (decode steps,
     # 1.1-1.3x faster at 8-32 rows); twice the weight memory. false: one copy, MKL for every product.
     pack_fp32: bool = True
     max_context: Annotated[int, Meta(ge=16)] = 2048

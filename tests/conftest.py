@@ -59,15 +59,17 @@ def build_hf_tiny(kind: str, seed: int = 0, **overrides):
     return model
 
 
-def kev_model_from_hf(hf_model, tokenizer, dtype: torch.dtype = torch.float32, name: str = "tiny"):
-    """Kev's Model over exactly the weights of `hf_model`."""
+def kev_model_from_hf(hf_model, tokenizer, dtype: torch.dtype = torch.float32, name: str = "tiny",
+                      matmul: str = "auto"):
+    """Kev's Model over exactly the weights of `hf_model`; `matmul`: core.matmul."""
     from engine.model.model import Model, rope_tables, spec_from_config
     from engine.model.transformer import Transformer
 
     config = hf_model.config
     spec = spec_from_config(config)
     device = torch.device("cpu")
-    weights = Transformer.from_state_dict(spec, hf_model.state_dict(), rope_tables(config, spec), device, dtype)
+    weights = Transformer.from_state_dict(spec, hf_model.state_dict(), rope_tables(config, spec), device, dtype,
+                                          matmul_kernel=matmul)
     return Model(spec, weights, tokenizer, device, dtype, Path(name), config)
 
 

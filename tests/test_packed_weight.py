@@ -44,17 +44,18 @@ def test_fp32_packed_linear_agrees_with_f_linear_and_takes_the_plain_matrix_outs
     assert packed.plain is weight and packed.nbytes >= 2 * weight.nbytes
 
 
-def test_models_on_cpu_multiply_by_packed_weights_and_count_a_tied_table_once(tiny_models):
+def test_models_on_the_library_multiply_by_packed_weights_and_count_a_tied_table_once(tiny_models):
     from conftest import kev_model_from_hf
 
     tiny = next(iter(tiny_models.values()))
-    bf16 = kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16).weights
+    bf16 = kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16, matmul="library").weights
     if BF16_PACKS:
         assert all(isinstance(m, PackedWeight) and m.plain is None for m in bf16.matrices())
     else:  # the CPU cannot reorder bf16: plain matrices, F.linear
         assert all(isinstance(m, torch.Tensor) for m in bf16.matrices())
     assert isinstance(bf16.embed, torch.Tensor)  # lookups read the plain table
-    fp32 = tiny_models["llama3-rope-tied"].kev.weights
+    tied = tiny_models["llama3-rope-tied"]
+    fp32 = kev_model_from_hf(tied.hf, tied.kev.tokenizer, matmul="library").weights
     assert all(isinstance(m, PackedWeight) and m.plain is not None for m in fp32.matrices())
     assert fp32.lm_head.plain is fp32.embed  # tied: the table is also the output head's plain copy, counted once
     small = fp32.final_norm.nbytes + sum(t.nbytes for layer in fp32.layers for t in vars(layer).values()
@@ -68,9 +69,9 @@ def test_pack_fp32_off_keeps_one_plain_copy_and_the_same_products(tiny_models):
 
     tiny = tiny_models["llama"]
     spec = spec_from_config(tiny.hf.config)
-    plain = Transformer.from_state_dict(spec, tiny.hf.state_dict(), rope_tables(tiny.hf.config, spec),
-                                        torch.device("cpu"), torch.float32, pack_fp32=False)
-    packed = tiny.kev.weights
+    plain, packed = (Transformer.from_state_dict(spec, tiny.hf.state_dict(), rope_tables(tiny.hf.config, spec),
+                                                 torch.device("cpu"), torch.float32, pack_fp32=pack, matmul_kernel="library")
+                     for pack in (False, True))
     assert all(isinstance(m, torch.Tensor) for m in plain.matrices())
     assert plain.nbytes < packed.nbytes
     x = torch.randn(8, spec.hidden_size, generator=torch.Generator().manual_seed(0))

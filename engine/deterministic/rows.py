@@ -8,7 +8,8 @@ copies and at the start, middle and end of calls of random rows up to CHECK_ROWS
 machine without the kernel and int8 weights take the tiles.
 
 Each matrix gets its repacked copy once, the first time deterministic mode checks it, kept as long as
-the matrix lives (a default-mode engine may share the matrix and keeps multiplying its own copy).
+the matrix lives (a default-mode engine may share the matrix and keeps multiplying its own copy); a
+matrix that default mode already multiplies through row_linear (core.matmul) is its own copy.
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ COPIES = 37  # a call of the probe's copies: every place in a tile of rows, and 
 class _Rows:
     """A matrix's row_linear copy and, per thread count, whether the check passed for its shape."""
 
-    def __init__(self, row: RowWeight):
+    def __init__(self, row: RowWeight, proven: dict[int, bool] | None = None):
         self.row = row
-        self.proven: dict[int, bool] = {}
+        self.proven: dict[int, bool] = {} if proven is None else proven
 
 
 _COPIES: dict[int, _Rows] = {}  # id(matrix) -> its copy, while the matrix lives
+# A RowWeight is its own copy; its verdicts are kept beside it, weakly, so a dropped model is freed.
+_OWN: "weakref.WeakKeyDictionary[RowWeight, dict[int, bool]]" = weakref.WeakKeyDictionary()
 _CHECKED: dict[tuple, bool] = {}  # (shape, dtype, isa, threads) -> the check's verdict
 
 
 def covered(matrix) -> bool:
-    """Whether row_linear can multiply by this matrix: fp32 or bf16 on the CPU, plain or oneDNN-packed."""
+    """Whether row_linear can multiply by this matrix: fp32 or bf16 on the CPU, plain, oneDNN-packed or
+    already repacked for row_linear (core.matmul)."""
+    if isinstance(matrix, RowWeight):
+        return True
     if isinstance(matrix, PackedWeight):
         return matrix.dtype in row_linear.DTYPES and row_linear.kernel() is not None
     return row_linear.usable(matrix)
@@ -64,17 +70,19 @@ def prove(matrix) -> bool:
     if deterministic mode may multiply by it through row_linear here."""
     if not covered(matrix):
         return False
+    if isinstance(matrix, RowWeight):  # default mode multiplies by it already: no second copy
+        return _holds(_Rows(matrix, _OWN.setdefault(matrix, {})))
     rows = _COPIES.get(id(matrix))
     if rows is None:
-        plain = matrix.matrix() if isinstance(matrix, PackedWeight) else matrix
-        rows = _COPIES[id(matrix)] = _Rows(RowWeight(plain))
+        rows = _COPIES[id(matrix)] = _Rows(RowWeight(matrix.matrix() if isinstance(matrix, PackedWeight) else matrix))
         weakref.finalize(matrix, _COPIES.pop, id(matrix), None)
     return _holds(rows)
 
 
 def row_weight(matrix) -> RowWeight | None:
     """The proven row_linear copy to multiply `matrix` by at this thread count, or None (tiles)."""
-    rows = _COPIES.get(id(matrix))
+    proven = _OWN.get(matrix) if isinstance(matrix, RowWeight) else None
+    rows = _Rows(matrix, proven) if proven is not None else _COPIES.get(id(matrix))
     if rows is None:
         return None
     verdict = rows.proven.get(torch.get_num_threads())

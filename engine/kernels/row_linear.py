@@ -85,6 +85,13 @@ class RowWeight:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    def matrix(self) -> torch.Tensor:
+        """The matrix as loaded [out, in], unpacked exactly (for quantising, or tiles in deterministic mode)."""
+        n, k = self.shape
+        if self.dtype is torch.bfloat16:
+            return self.packed.permute(0, 2, 1, 3).reshape(-1, self.packed.shape[1] * 2)[:n, :k].contiguous()
+        return self.packed.transpose(1, 2).reshape(-1, k)[:n].contiguous()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, inner = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, inner)

@@ -73,13 +73,17 @@ class Model:
 
 
 def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | torch.dtype | None = None,
-               weights: str | None = None, deterministic: bool = False, pack_fp32: bool = True) -> Model:
+               weights: str | None = None, deterministic: bool = False, pack_fp32: bool = True,
+               matmul: str = "auto") -> Model:
     """Load an HF directory, a .gguf file or a built-in name (e.g. "smollm2-135m-instruct").
 
     `dtype`: auto (None) | fp32 | bf16 | fp16 compute and storage dtype; auto is bf16 on CUDA, fp32
     elsewhere (bf16 on a CPU without bf16 instructions falls back to fp32, logged).
     `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
-    `pack_fp32`: on CPU, fp32 matrices also get a oneDNN-packed copy for decode-sized products
+    `matmul`: auto | row_linear | library, the CPU kernel for weight matmuls (engine/kernels/matmul.py):
+    row_linear keeps each row's bits whatever shares its step; auto takes it unless the library is
+    clearly faster here. Logged as `matmul.kernel`.
+    `pack_fp32`: with the library, fp32 matrices also get a oneDNN-packed copy for decode-sized products
     (engine/kernels/packed_weight.py); bf16 ones are always packed, in place of the plain copy.
     """
     from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a model is loaded
@@ -96,7 +100,7 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
         raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
                                             mode=math_mode(deterministic), int8=weight_format == "int8",
-                                            pack_fp32=pack_fp32)
+                                            pack_fp32=pack_fp32, matmul_kernel=matmul)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
         kernel()

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine.deterministic.mode import FAST, MathMode
+from engine.kernels import matmul
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
+from engine.kernels.row_linear import RowWeight
 from engine.model.layers import apply_rope, embed, rms_norm, signed_sin
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -35,7 +37,7 @@ class LoraRows(Protocol):
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | Int8Weight | PackedWeight  # q, k and v projections fused into one matmul
+    qkv: torch.Tensor | Int8Weight | PackedWeight | RowWeight  # q, k and v projections fused into one matmul
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -45,8 +47,13 @@ class LayerWeights:
     down: torch.Tensor
 
 
+MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's weight matrices
+
+
 def _unpacked(matrix):
     """The plain matrix of a weight (an fp32 packed weight keeps one); quantising starts from it."""
+    if isinstance(matrix, RowWeight):
+        return matrix.matrix()
     if not isinstance(matrix, PackedWeight):
         return matrix
     if matrix.plain is None:
@@ -63,7 +70,8 @@ class Transformer:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.cos, self.sin_signed = rope[0], signed_sin(rope[1])  # the plain sine is not needed after this
-        self.use(mode)
+        self.matmul: matmul.MatmulChoice | None = None  # set by from_state_dict: which kernel multiplies
+        self.mode, self.linear = mode, mode.linear  # from_state_dict checks the weights it ends with: use()
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
@@ -75,7 +83,7 @@ class Transformer:
 
     def matrices(self) -> list:
         """Every weight matrix a forward multiplies by (tensors, or Int8Weight when quantised)."""
-        per_layer = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        per_layer = [getattr(layer, name) for layer in self.layers for name in MATRICES]
         return per_layer + [self.lm_head]
 
     @property
@@ -96,9 +104,9 @@ class Transformer:
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matmul and the embedding table (the biggest matrix: tied to the
         output head in small models). Norms, biases and rotary tables stay in the compute dtype."""
-        tied = _unpacked(self.lm_head) is self.embed
+        tied = self.spec.tie_embeddings or _unpacked(self.lm_head) is self.embed
         for layer in self.layers:
-            for name in ("qkv", "o_proj", "gate_up", "down"):
+            for name in MATRICES:
                 setattr(layer, name, Int8Weight(_unpacked(getattr(layer, name))))
         self.embed = Int8Weight(self.embed)
         self.lm_head = self.embed if tied else Int8Weight(_unpacked(self.lm_head))
@@ -107,23 +115,34 @@ class Transformer:
         """On CPU, every matmul's weight reordered once into oneDNN's layout (engine/kernels/packed_weight.py).
         A tied embedding table stays as it is for lookups; the output head gets its own packed copy."""
         for layer in self.layers:
-            for name in ("qkv", "o_proj", "gate_up", "down"):
+            for name in MATRICES:
                 setattr(layer, name, PackedWeight(getattr(layer, name)))
         self.lm_head = PackedWeight(self.lm_head)
 
+    def repack_rows(self) -> None:
+        """Every matmul's weight repacked once for row_linear (engine/kernels/row_linear.py), in place of
+        the plain matrix. A tied embedding table stays as it is for lookups; the head gets its own copy."""
+        for layer in self.layers:
+            for name in MATRICES:
+                setattr(layer, name, RowWeight(getattr(layer, name)))
+        self.lm_head = RowWeight(self.lm_head)
+
     @classmethod
     def from_safetensors(cls, spec, path: Path, rope, device, dtype, mode: MathMode = FAST,
-                         int8: bool = False, pack_fp32: bool = True) -> "Transformer":
+                         int8: bool = False, pack_fp32: bool = True, matmul_kernel: str = "auto") -> "Transformer":
         raw: dict[str, torch.Tensor] = {}
         for file in sorted(path.glob("*.safetensors")):
             raw.update(load_file(str(file)))
         if not raw:
             raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-        return cls.from_state_dict(spec, raw, rope, device, dtype, mode, int8, pack_fp32)
+        return cls.from_state_dict(spec, raw, rope, device, dtype, mode, int8, pack_fp32, matmul_kernel)
 
     @classmethod
     def from_state_dict(cls, spec, raw: dict[str, torch.Tensor], rope, device, dtype,
-                        mode: MathMode = FAST, int8: bool = False, pack_fp32: bool = True) -> "Transformer":
+                        mode: MathMode = FAST, int8: bool = False, pack_fp32: bool = True,
+                        matmul_kernel: str = "auto") -> "Transformer":
+        """`matmul_kernel`: core.matmul (auto | row_linear | library), see engine/kernels/matmul.py;
+        `pack_fp32`: whether the library's fp32 matrices also get a oneDNN-packed copy."""
         def get(name: str) -> torch.Tensor:
             if name not in raw:
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
@@ -134,8 +153,12 @@ class Transformer:
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
         cos, sin = (t.to(device=device, dtype=dtype) for t in rope)
         model = cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin))
+        probes = [layers[0].gate_up, layers[0].down]
+        model.matmul = matmul.choose(matmul_kernel, dtype, torch.device(device), probes, quantized=int8)
         if int8:
             model.quantize_int8()
+        elif model.matmul.kernel == "row_linear":
+            model.repack_rows()
         elif can_pack(dtype, device) and (pack_fp32 or dtype != torch.float32):
             model.pack_weights()
         model.use(mode)  # after quantising: the mode's check sees the real kernels

@@ -58,7 +58,8 @@ def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
     configure_logging(cfg.logging.level, cfg.logging.json)
     set_threads(cfg.core.threads)
     model = load_model(args.model or cfg.core.model_path, device=cfg.core.device, dtype=cfg.core.precision,
-                       weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32)
+                       weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32,
+                    matmul=cfg.core.matmul)
     options = EngineOptions.from_config(cfg, worker="kev-ask")
     pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
     questions = [QuestionEvent(question_id=f"q{i}", prompt=text, system=args.system)
