@@ -33,7 +33,7 @@ from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.schedule.sequence import Sequence, Status
-from engine.speculate import NgramDrafter
+from engine.speculate.setup import build_drafter, measure_costs
 from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.engine")
@@ -62,7 +62,9 @@ class EngineCore:
         weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
-        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position), drafter=_drafter(options))
+        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position),
+                                   drafter=build_drafter(options, model))
+        measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
@@ -252,15 +254,6 @@ def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
         split_roles=options.deterministic,
         speculative_policy=options.speculative_policy,
     )
-
-
-def _drafter(options: EngineOptions) -> NgramDrafter | None:
-    """speculative.method's drafter; None when off."""
-    if options.speculative == "off":
-        return None
-    log.info("speculative.on", method=options.speculative, max_draft_tokens=options.max_draft_tokens,
-             ngram=[options.ngram_min, options.ngram_max], policy=options.speculative_policy)
-    return NgramDrafter(options.max_draft_tokens, options.ngram_min, options.ngram_max)
 
 
 def _block_size(options: EngineOptions, attention) -> int:

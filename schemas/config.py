@@ -277,7 +277,7 @@ class SpeculativeConfig(_Section):
     max_draft_tokens: Annotated[int, Meta(ge=1, le=64)] = 4  # drafts verified per question per step
     ngram_min: Annotated[int, Meta(ge=1, le=64)] = 1  # shortest tail n-gram looked up
     ngram_max: Annotated[int, Meta(ge=1, le=64)] = 3  # longest tail n-gram looked up (tried first)
-    policy: SpeculativePolicy = "auto"  # auto: small steps, questions whose drafts pay; always (docs/speculative.md)
+    policy: SpeculativePolicy = "auto"  # auto: measured step costs x acceptance rates; always (docs/speculative.md)
 
 
 class KevConfig(_Section):

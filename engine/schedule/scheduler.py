@@ -22,7 +22,6 @@ from engine.schedule.prefix_chain import (
 from engine.schedule.sequence import Sequence, Status
 from engine.schedule.step_plan import Chunk, StepPlan
 from engine.schedule.speculation import Speculation
-from engine.speculate.ngram import NgramDrafter
 
 
 class Overloaded(Exception):
@@ -35,9 +34,9 @@ class PromptTooLong(ValueError):
 
 class Scheduler(Speculation):
     def __init__(self, pool: BlockPool, limits: SchedulerLimits = SchedulerLimits(),
-                 clock: Callable[[], float] = time.monotonic, drafter: NgramDrafter | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, drafter=None) -> None:
         self.pool = pool
-        self.drafter = drafter  # None: no speculative decoding
+        self.drafter = drafter  # None: no speculative decoding (engine/speculate/: NgramDrafter, DraftModel)
         self.limits = limits
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -50,6 +49,8 @@ class Scheduler(Speculation):
         self.cached_tokens_admitted = 0
         self.num_draft_tokens = 0  # verified in forwards
         self.num_accepted_draft_tokens = 0  # of those, emitted
+        self.step_costs = None  # policy auto: engine.speculate.cost.StepCosts, measured by the engine at start
+        self._step_drafts: dict[str, tuple[int, ...]] = {}  # this step's drafts, by question id
 
     # -- intake -------------------------------------------------------------------------------
     @property
@@ -103,6 +104,7 @@ class Scheduler(Speculation):
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
         plan = StepPlan()
+        self._plan_drafts()
         budget = self._schedule_running(plan, self.limits.max_tokens_per_step)
         if not plan.preempted and not self.lingering:
             self._admit(plan, budget)
@@ -154,6 +156,7 @@ class Scheduler(Speculation):
         seq.status = status
         seq.finished_at = self.clock()
         seq.audit_blocks = tuple(seq.block_ids)
+        self._drafts_done(seq)
         if self.limits.early_stop or not seq.block_ids:
             self.pool.release(seq.question_id, seq.block_ids)
         else:

@@ -97,8 +97,8 @@ class Sequence:
     ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know, for the audit
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified for it
     accepted_draft_tokens: int = 0  # of those, the ones it emitted (the model agreed with them)
-    draft_backoff: int = 0  # policy auto: steps to pause after its last draft was wholly rejected
-    draft_pause: int = 0  # policy auto: steps left before it drafts again
+    draft_hits: float = 0.0  # policy auto: kept draft tokens, fading (engine/speculate/cost.py)
+    draft_trials: float = 0.0  # policy auto: kept draft tokens plus each draft's first rejected one, fading
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -1,7 +1,9 @@
-"""The scheduler's speculative decoding: drafting chunks planned, and verified drafts kept or rolled back.
+"""The scheduler's speculative decoding: drafts chosen and made, drafting chunks planned, verified drafts
+kept or rolled back.
 
 A mixin of Scheduler (engine/schedule/scheduler.py), kept apart so the step logic stays readable; it
-uses the scheduler's pool, limits and drafter. No torch.
+uses the scheduler's pool, limits, drafter and `step_costs`. No torch: a model drafter is an object
+handed in (engine/speculate/draft_model.py), the step costs plain floats.
 """
 
 from __future__ import annotations
@@ -9,26 +11,68 @@ from __future__ import annotations
 from engine.schedule.prefix_chain import name_filled_blocks
 from engine.schedule.sequence import Sequence
 from engine.schedule.step_plan import Chunk
-from engine.speculate.drafts import AUTO_MAX_ROWS, accepted_length, back_off, can_draft, draft_room, paused, propose
+from engine.speculate.cost import draft_lengths
+from engine.speculate.drafts import accepted_length, can_draft, draft_rate, draft_room, is_model, propose, record
 
 
 class Speculation:
+    def _plan_drafts(self) -> None:
+        """Before the step's chunks: who drafts and how many tokens (the policy), and the drafts.
+
+        Room counts one token of the step's budget for every other running question; the chunks
+        then trim each draft to what the budget and the pool really leave (`_draft`)."""
+        self._step_drafts: dict[str, tuple[int, ...]] = {}
+        if self.drafter is None:
+            return
+        budget = self.limits.max_tokens_per_step - (len(self.running) - 1)
+        offers = [(seq, draft_room(seq, budget, self.max_tokens_per_question)) for seq in self.running
+                  if can_draft(seq)]
+        offers = [(seq, room) for seq, room in offers if room > 0]
+        model = is_model(self.drafter)
+        if model:
+            offers = [(seq, min(room, self.drafter.max_draft_tokens)) for seq, room in offers]
+        else:  # a lookup proposes for free: the policy then takes as much of it as pays
+            offers = [(seq, propose(self.drafter, seq, room)) for seq, room in offers]
+            offers = [(seq, draft) for seq, draft in offers if draft]
+        if not offers:
+            return
+        most = [room for _, room in offers] if model else [len(draft) for _, draft in offers]
+        lengths = most if self.limits.speculative_policy == "always" else self._auto_lengths(offers, most, model)
+        if model:
+            asks = [(seq.question_id, seq.token_ids, k) for (seq, _), k in zip(offers, lengths) if k]
+            drafts = self.drafter.draft_batch(asks) if asks else []
+            self._step_drafts = {qid: tuple(d) for (qid, _, _), d in zip(asks, drafts) if d}
+        else:
+            self._step_drafts = {seq.question_id: draft[:k] for (seq, draft), k in zip(offers, lengths) if k}
+
+    def _auto_lengths(self, offers: list, most: list[int], model: bool) -> list[int]:
+        """policy auto: as many drafts as raise the step's expected tokens per second (engine/speculate/cost.py)."""
+        base_rows = min(self.limits.max_tokens_per_step, sum(seq.num_uncomputed for seq in self.running))
+        rates = [draft_rate(seq) for seq, _ in offers]
+        return draft_lengths(self.step_costs, base_rows, list(zip(rates, most)),
+                             getattr(self.drafter, "costs", None) if model else None)
+
     def _draft(self, seq: Sequence, length: int, budget: int, behind: int) -> tuple[int, ...]:
-        """Drafts for a decoding question, with blocks for them taken already; () when it does not draft.
+        """This step's drafts for a decoding question, with blocks for them taken already; () when it
+        does not draft.
 
         Drafts never preempt anyone: they use blocks the question holds plus free ones beyond one per
         question behind it (each of those may need a new block for its own token this step)."""
-        if self.drafter is None or length != 1 or not can_draft(seq):
+        draft = self._step_drafts.pop(seq.question_id, ()) if self.drafter is not None else ()
+        if not draft or length != 1 or not can_draft(seq):
             return ()
-        if self.limits.speculative_policy == "auto" and (len(self.running) > AUTO_MAX_ROWS or paused(seq)):
-            return ()
-        draft = propose(self.drafter, seq, draft_room(seq, budget, self.max_tokens_per_question))
+        draft = draft[: draft_room(seq, budget, self.max_tokens_per_question)]
         spare_blocks = max(0, self.pool.num_free - behind)
         room = (len(seq.block_ids) + spare_blocks) * self.pool.block_size - seq.num_computed_tokens - 1
         draft = draft[: max(0, room)]
         if not draft or not self.pool.grow(seq.question_id, seq.block_ids, seq.num_tokens + len(draft)):
             return ()
         return draft
+
+    def _drafts_done(self, seq: Sequence) -> None:
+        """A question ended: a model drafter frees what it kept for it."""
+        if self.drafter is not None and hasattr(self.drafter, "forget"):
+            self.drafter.forget(seq.question_id)
 
     def _verify(self, chunk: Chunk, drawn: list[int], batch_size: int, new_tokens: list) -> None:
         """Keep the drafts the model drew itself, then its own next token; one at a time, so a stop token,
@@ -40,7 +84,7 @@ class Speculation:
         """
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, drawn)
-        back_off(seq, accepted)
+        record(seq, len(draft), accepted)
         self.num_draft_tokens += len(draft)
         seq.drafted_tokens += len(draft)
         seq.num_computed_tokens += 1  # its last token, whatever the drafts
@@ -55,4 +99,3 @@ class Speculation:
             if seq.status.finished:
                 break
         name_filled_blocks(self.pool, seq)
-

@@ -1,4 +1,4 @@
-"""Which question drafts this step, how many tokens, and what it keeps after verification.
+"""Which question may draft this step, how many tokens at most, and what a verified draft teaches.
 
 Plain bookkeeping (no torch), called by the scheduler. A question drafts only while it decodes
 (its prompt fully computed, one token left to compute), is free text (no response_format: its
@@ -9,12 +9,7 @@ past max_new_tokens or the question's context, and never takes blocks a neighbou
 from __future__ import annotations
 
 from engine.schedule.sequence import Sequence, Status
-from engine.speculate.ngram import NgramDrafter
-
-# policy auto: speculate only while the step has at most this many rows before drafting. Below it a
-# decode step reads the weights once for few rows (memory bound), so extra verify rows cost little.
-AUTO_MAX_ROWS = 8
-MAX_BACKOFF = 16  # policy auto: most steps a question waits after its drafts keep failing
+from engine.speculate.cost import DECAY, acceptance_rate
 
 
 def can_draft(seq: Sequence) -> bool:
@@ -29,29 +24,31 @@ def draft_room(seq: Sequence, budget: int, max_tokens_per_question: int) -> int:
     return max(0, min(budget - 1, left_to_answer, left_in_context))
 
 
-def propose(drafter: NgramDrafter, seq: Sequence, room: int) -> tuple[int, ...]:
-    """Drafts from the question's own tokens (prompt + output so far) and nothing else."""
+def propose(drafter, seq: Sequence, room: int) -> tuple[int, ...]:
+    """A lookup drafter's drafts from the question's own tokens (prompt + output so far) and nothing else."""
     if room <= 0:
         return ()
     return tuple(drafter.propose(seq.token_ids, room))
 
 
-def paused(seq: Sequence) -> bool:
-    """policy auto: True while a question waits out its backoff (counting the step down)."""
-    if seq.draft_pause > 0:
-        seq.draft_pause -= 1
-        return True
-    return False
+def is_model(drafter) -> bool:
+    """A drafter that runs forwards of its own (engine/speculate/draft_model.py) and drafts every
+    question of a step together; a lookup drafter (prompt lookup) proposes per question for free."""
+    return hasattr(drafter, "draft_batch")
 
 
-def back_off(seq: Sequence, accepted: int) -> None:
-    """After a wholly rejected draft, pause 1, 2, 4 .. MAX_BACKOFF steps (doubling while it keeps
-    failing); any accepted draft resets it. Text with nothing to copy soon stops costing verify rows."""
-    if accepted:
-        seq.draft_backoff = 0
-        return
-    seq.draft_backoff = min(MAX_BACKOFF, max(1, 2 * seq.draft_backoff))
-    seq.draft_pause = seq.draft_backoff
+def draft_rate(seq: Sequence) -> float:
+    """policy auto: the question's chance that its next draft token is kept; its past fades a little
+    each time it is asked."""
+    seq.draft_hits *= DECAY
+    seq.draft_trials *= DECAY
+    return acceptance_rate(seq.draft_hits, seq.draft_trials)
+
+
+def record(seq: Sequence, drafted: int, accepted: int) -> None:
+    """A verified draft: `accepted` kept tokens, and one failed trial unless all were kept."""
+    seq.draft_hits += accepted
+    seq.draft_trials += accepted + (1 if accepted < drafted else 0)
 
 
 def accepted_length(draft: tuple[int, ...], targets: list[int]) -> int:

@@ -1,0 +1,114 @@
+"""policy auto: how many drafts each question verifies this step, chosen so the step's tokens per second rise.
+
+Plain numbers, no torch. `StepCosts` is a forward's seconds against its rows, measured once when the
+engine starts (engine/speculate/probe.py); each question brings its running acceptance rate. A step
+of R rows does R tokens of useful work (prompt tokens computed and tokens emitted alike) in T(R)
+seconds. A question whose next draft is accepted with probability p adds p^j expected tokens with its
+j-th draft (draft j counts only if drafts 1..j-1 were kept) and one row. Drafts are added greedily,
+the likeliest first, while (work + expected tokens) / (time of the forward + the drafter's own forwards)
+keeps rising. In a memory-bound step (T nearly flat in R) a few rows cost little, so questions with a
+decent acceptance rate draft; in a compute-bound one (T proportional to R) a row that yields p < 1
+tokens lowers the rate, so nobody drafts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from dataclasses import dataclass
+
+# A question's acceptance rate starts at PRIOR_RATE, worth PRIOR_TRIALS observations: two wholly
+# rejected drafts bring a fresh question below MIN_DRAFT_PROB's reach for its second draft.
+PRIOR_RATE = 0.5
+PRIOR_TRIALS = 2.0
+# Old observations fade each step a question could draft: text that starts quoting later (or stops) is
+# noticed, and a question that stopped drafting tries again once its failures have faded (~20 steps).
+DECAY = 0.95
+# A draft expected to be kept less than once in ten is not verified even when rows look free: the
+# table does not see the per-row bookkeeping outside the forward, nor its own noise.
+MIN_DRAFT_PROB = 0.1
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one forward against its rows (rows ascending); linear between measured points and
+    beyond the last, made non-decreasing (a noisy probe must not make more rows look cheaper)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError(f"step costs need ascending distinct rows, one time each: {self.rows}, {self.seconds}")
+        object.__setattr__(self, "seconds", tuple(itertools.accumulate(self.seconds, max)))
+
+    def time(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        xs, ys = self.rows, self.seconds
+        i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:
+            return ys[i]
+        if i == 0:
+            return ys[0]
+        if i == len(xs):  # past the last point: its last segment's slope
+            if len(xs) == 1:
+                return ys[0]
+            i -= 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def summary(self) -> dict:
+        """For the start-up log: rows and milliseconds."""
+        return {"rows": list(self.rows), "ms": [round(s * 1000, 3) for s in self.seconds]}
+
+
+def acceptance_rate(hits: float, trials: float) -> float:
+    """P(the next draft token is kept): kept drafts over trials (kept drafts plus the first rejected
+    one of each draft), with the prior mixed in."""
+    return (hits + PRIOR_RATE * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+
+
+def draft_lengths(costs: StepCosts | None, base_rows: int, offers: list[tuple[float, int]],
+                  draft_costs: StepCosts | None = None) -> list[int]:
+    """Drafts per question: `offers` is (acceptance rate, most drafts it may take) per question, in any
+    order; `base_rows` the step's rows without drafts. `draft_costs`: the drafter's own forward against
+    its rows (a draft model runs one forward per draft depth, over the questions drafting that deep);
+    None for a drafter that costs nothing (prompt lookup). `costs` None: rows count as free."""
+    lengths = [0] * len(offers)
+    depth_rows: list[int] = []  # questions drafting at least j + 1 tokens
+    work = float(max(base_rows, 1))
+    extra = 0
+    now = _seconds(costs, draft_costs, base_rows, extra, depth_rows)
+    queue = [(-p, i) for i, (p, most) in enumerate(offers) if most > 0]
+    heapq.heapify(queue)
+    while queue:
+        gain, i = heapq.heappop(queue)
+        gain = -gain
+        if gain < MIN_DRAFT_PROB:
+            break  # the likeliest draft left is unlikely: so are all the others
+        depth = lengths[i]
+        if depth == len(depth_rows):
+            depth_rows.append(0)
+        depth_rows[depth] += 1
+        after = _seconds(costs, draft_costs, base_rows, extra + 1, depth_rows)
+        if (work + gain) * now <= work * after:  # the rate would not rise: this question stops here
+            depth_rows[depth] -= 1
+            continue
+        lengths[i] += 1
+        work, extra, now = work + gain, extra + 1, after
+        p, most = offers[i]
+        if lengths[i] < most:
+            heapq.heappush(queue, (-(gain * p), i))
+    return lengths
+
+
+def _seconds(costs: StepCosts | None, draft_costs: StepCosts | None, base_rows: int, extra: int,
+             depth_rows: list[int]) -> float:
+    if costs is None:
+        return 1.0  # nothing measured: only MIN_DRAFT_PROB limits drafts
+    forward = costs.time(base_rows + extra)
+    if draft_costs is None:
+        return forward
+    return forward + sum(draft_costs.time(rows) for rows in depth_rows if rows)

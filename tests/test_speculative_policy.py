@@ -1,0 +1,143 @@
+"""speculative.policy auto: drafts only where the step's expected tokens per second rise.
+
+The decision is plain arithmetic over a measured cost table (engine/speculate/cost.py), tested here on
+made-up tables; then the engine: the table it measures at start is logged, decides who drafts, and no
+answer changes.
+"""
+
+import random
+
+import pytest
+
+from engine.schedule.sequence import SamplingParams, Sequence
+from engine.speculate.cost import MIN_DRAFT_PROB, StepCosts, acceptance_rate, draft_lengths
+from engine.speculate.drafts import draft_rate, record
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+COMPUTE_BOUND = StepCosts(ROWS, tuple(0.001 * n for n in ROWS))  # every row costs the same
+MEMORY_BOUND = StepCosts(ROWS, tuple(0.020 + 0.00002 * n for n in ROWS))  # reading the weights dominates
+KNEE = StepCosts(ROWS, tuple(0.010 * max(1.0, n / 16) for n in ROWS))  # flat to 16 rows, then compute-bound
+
+
+def test_a_compute_bound_step_drafts_nothing_whatever_the_acceptance():
+    assert draft_lengths(COMPUTE_BOUND, 8, [(0.95, 4)] * 8) == [0] * 8
+    assert draft_lengths(COMPUTE_BOUND, 1, [(0.99, 8)]) == [0]
+
+
+def test_a_memory_bound_step_drafts_where_drafts_are_kept():
+    assert draft_lengths(MEMORY_BOUND, 4, [(0.9, 4)] * 4) == [4] * 4
+    # Draft j is worth p^j tokens: 0.3 pays for one draft, 0.3^2 is below MIN_DRAFT_PROB.
+    assert draft_lengths(MEMORY_BOUND, 2, [(0.9, 4), (0.3, 4)]) == [4, 1]
+    assert draft_lengths(MEMORY_BOUND, 2, [(MIN_DRAFT_PROB / 2, 4), (0.8, 0)]) == [0, 0]
+
+
+def test_past_the_knee_only_the_likeliest_drafts_are_verified():
+    lengths = draft_lengths(KNEE, 8, [(0.9, 8)] * 4 + [(0.4, 8)] * 4)
+    assert sum(lengths) >= 8  # the free rows below the knee are used
+    assert min(lengths[:4]) > max(lengths[4:])  # by the likelier questions first
+    assert 8 + sum(lengths) < 8 + 8 * 8  # and the compute-bound part is mostly left alone
+
+
+def test_a_draft_models_own_forwards_count_against_its_drafts():
+    one = StepCosts((1, 64), (0.010, 0.011))
+    as_costly = StepCosts((1, 64), (0.010, 0.011))  # a draft forward as dear as the target's
+    cheap = StepCosts((1, 64), (0.001, 0.0011))
+    assert draft_lengths(one, 1, [(0.9, 4)], as_costly) == [0]
+    assert draft_lengths(one, 1, [(0.9, 4)], cheap) == [4]
+    assert draft_lengths(one, 1, [(0.9, 4)]) == [4]  # a lookup drafter costs nothing
+
+
+def test_no_table_counts_rows_as_free():
+    assert draft_lengths(None, 64, [(0.8, 4), (0.2, 4)]) == [4, 1]
+
+
+def test_the_table_is_monotone_and_extends_its_last_slope():
+    table = StepCosts((1, 4, 8), (0.010, 0.008, 0.012))  # a noisy probe: 4 rows timed faster than 1
+    assert table.seconds == (0.010, 0.010, 0.012)
+    assert table.time(2) == 0.010 and table.time(6) == pytest.approx(0.011)
+    assert table.time(16) == pytest.approx(0.016) and table.time(0) == 0.0
+    with pytest.raises(ValueError):
+        StepCosts((4, 1), (0.1, 0.2))
+
+
+def test_acceptance_starts_at_the_prior_learns_and_fades():
+    seq = Sequence("q", [1, 2, 3], SamplingParams())
+    assert draft_rate(seq) == acceptance_rate(0, 0) == 0.5
+    for _ in range(6):
+        record(seq, 3, 0)  # wholly rejected drafts
+    low = draft_rate(seq)
+    assert low < MIN_DRAFT_PROB * 1.5
+    for _ in range(60):  # asked while not drafting: the failures fade, it will try again
+        rate = draft_rate(seq)
+    assert rate > 0.4
+    record(seq, 4, 4)
+    assert draft_rate(seq) > rate
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+KIND = "llama"
+
+
+def _looping(harness, count, seed):
+    from test_speculative import looping_prompts
+
+    return looping_prompts(harness, count, seed)
+
+
+def _drafting_plans(outcome, questions):
+    prompt_len = {q.qid: len(q.prompt_ids) for q in questions}
+    return [plan for plan in outcome.plans
+            if any(length > 1 and start >= prompt_len[qid] for qid, start, length, _ in plan)]
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_auto_measures_its_table_and_keeps_every_greedy_answer(tiny_models, harness, logs, count):
+    from test_speculative import accepted, run_both
+
+    questions = _looping(harness, count, seed=70 + count)
+    off, on = run_both(harness, tiny_models[KIND].kev, questions)  # policy always: the strictest
+    auto = harness.run_core(tiny_models[KIND].kev, questions, harness.tiny_options(speculative="ngram",
+                                                                                  speculative_policy="auto"))
+    for q in questions:
+        assert auto.tokens(q.qid) == off.tokens(q.qid), q.qid
+    (table,) = [r for r in logs if r["event"] == "speculative.cost_model"]
+    assert table["forward"]["rows"][:3] == [1, 2, 4] and all(ms > 0 for ms in table["forward"]["ms"])
+    assert auto.core.scheduler.step_costs is not None
+    assert accepted(auto) > 0 or accepted(on) == 0
+
+
+def test_auto_follows_the_table_it_is_given(tiny_models, harness):
+    """The same questions: a compute-bound table stops every draft, a memory-bound one lets them run."""
+    from engine import EngineCore
+
+    questions = _looping(harness, 8, seed=91)
+    outcomes = {}
+    for name, table in (("compute", COMPUTE_BOUND), ("memory", MEMORY_BOUND)):
+        core = EngineCore(tiny_models[KIND].kev, harness.tiny_options(speculative="ngram", speculative_policy="auto"))
+        core.scheduler.step_costs = table
+        outcomes[name] = harness.run_core(tiny_models[KIND].kev, questions, core=core)
+    assert outcomes["compute"].core.scheduler.num_draft_tokens == 0
+    assert not _drafting_plans(outcomes["compute"], questions)
+    assert outcomes["memory"].core.scheduler.num_accepted_draft_tokens > 0
+    assert len(outcomes["memory"].plans) < len(outcomes["compute"].plans)
+    for q in questions:
+        assert outcomes["memory"].tokens(q.qid) == outcomes["compute"].tokens(q.qid), q.qid
+
+
+def test_off_and_always_measure_nothing(tiny_models, harness, logs):
+    for options in (dict(speculative="ngram", speculative_policy="always"), dict(speculative="off")):
+        core = harness.run_core(tiny_models[KIND].kev, _looping(harness, 1, seed=3), harness.tiny_options(**options)).core
+        assert core.scheduler.step_costs is None
+    assert not [r for r in logs if r["event"] == "speculative.cost_model"]
+
+
+def test_random_seeded_sampling_under_auto_is_unchanged(tiny_models, harness):
+    questions = _looping(harness, 6, seed=57)
+    rng = random.Random(4)
+    for i, q in enumerate(questions):
+        q.params.update(temperature=0.5 + rng.random(), seed=i, max_new_tokens=24)
+    off = harness.run_core(tiny_models[KIND].kev, questions, harness.tiny_options())
+    auto = harness.run_core(tiny_models[KIND].kev, questions, harness.tiny_options(speculative="ngram"))
+    for q in questions:
+        assert auto.tokens(q.qid) == off.tokens(q.qid), q.qid
