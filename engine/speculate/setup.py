@@ -6,19 +6,50 @@ import time
 
 import structlog
 
+from engine.speculate.draft_model import DraftModel, DraftModelRefused, check_tokenizer, layer_view
 from engine.speculate.ngram import NgramDrafter
 from engine.speculate.probe import measure, probe_rows, target_step
 
 log = structlog.get_logger("kev.engine")
 
 
-def build_drafter(options, model):
-    """speculative.method's drafter; None when off."""
+def build_drafter(options, model, weights, capacity_tokens: int, block_size: int):
+    """speculative.method's drafter; None when off. `weights`: the engine's own view of the target's
+    weights (a layer-skipped draft shares its tensors); `capacity_tokens`: the target pool's tokens,
+    which a draft model's own cache matches (it never holds more than the questions it drafts for)."""
     if options.speculative == "off":
         return None
+    if options.speculative == "draft_model":
+        drafter = _draft_model(options, model, weights, capacity_tokens, block_size)
+        log.info("speculative.on", method=options.speculative, max_draft_tokens=options.max_draft_tokens,
+                 draft_model=drafter.name, draft_kv_mib=round(drafter.nbytes / 2**20, 1),
+                 policy=options.speculative_policy)
+        return drafter
     log.info("speculative.on", method=options.speculative, max_draft_tokens=options.max_draft_tokens,
              ngram=[options.ngram_min, options.ngram_max], policy=options.speculative_policy)
     return NgramDrafter(options.max_draft_tokens, options.ngram_min, options.ngram_max)
+
+
+def _draft_model(options, model, weights, capacity_tokens: int, block_size: int) -> DraftModel:
+    """speculative.draft_model (loaded here, same tokenizer, same device and dtype), and/or
+    speculative.draft_layers (the first N layers of the draft model, or of the target when no
+    draft_model is named: no weights of its own)."""
+    source, layers = options.draft_model, options.draft_layers
+    if source is None and layers is None:
+        raise DraftModelRefused("speculative.method draft_model needs speculative.draft_model (a model Kev "
+                                "loads, same tokenizer) or speculative.draft_layers (the target's first N layers)")
+    name = f"{model.name}[:{layers} layers]"
+    spec = model.spec
+    if source is not None:
+        from engine.model.model import load_model  # reads files: only when a draft model is asked for
+
+        draft = load_model(source, device=str(model.device), dtype=model.dtype, deterministic=options.deterministic)
+        check_tokenizer(model, draft, str(source))
+        weights, spec, name = draft.weights, draft.spec, draft.name if layers is None else f"{draft.name}[:{layers} layers]"
+    if layers is not None:
+        weights, spec = layer_view(weights, spec, layers)
+    return DraftModel(weights, spec, model.device, model.dtype, options.max_draft_tokens, capacity_tokens,
+                      block_size, name)
 
 
 def measure_costs(options, scheduler, runner, pool, device) -> None:
