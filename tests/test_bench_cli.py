@@ -76,10 +76,11 @@ def test_bench_structured_prints_both_runs_the_ratio_and_compile_times(tiny_mode
     assert "compile: cold median" in out
 
 
-def test_bench_spec_prints_both_workloads_ratios_and_identical_answers(tiny_model_dir, capsys):
+def test_bench_spec_prints_every_workload_method_ratio_and_identical_answers(tiny_model_dir, capsys):
     assert main(["bench", "spec", "--model", str(tiny_model_dir), "--concurrency", "1,2", "--max-new-tokens", "8",
                  "--repeats", "1", "--threads", "2"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("| extraction |", "| chat |"))]
-    assert len(rows) == 4
+    assert "| ngram/off |" in out and "| draft_model/off |" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| extraction |", "| code |", "| chat |"))]
+    assert len(rows) == 6
     assert all(line.rstrip().endswith("| yes |") for line in rows)  # speculation changes no answer
