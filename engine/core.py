@@ -63,8 +63,7 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
         self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position),
-                                   drafter=build_drafter(options, model, weights, num_blocks * self.block_size,
-                                                         self.block_size))
+                                   drafter=build_drafter(options, model))
         measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
@@ -253,6 +252,8 @@ def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
         length_aware=options.length_aware,
         early_stop=options.early_stop,
         split_roles=options.deterministic,
+        # Fixed tiles read every chunk from the cache, so deterministic mode may cut a prompt anywhere.
+        prompt_chunk=0 if options.deterministic else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
         speculative_policy=options.speculative_policy,
     )
 

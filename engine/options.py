@@ -41,6 +41,7 @@ class EngineOptions:
     kv_budget_bytes: int | None = _key("kv_cache.memory_budget_bytes")
     memory_fraction: float = _key("kv_cache.memory_fraction")  # of free GPU memory, when no budget is given
     max_tokens_per_step: int = _key("scheduler.max_tokens_per_step")  # one forward's tokens (chunked prefill beyond)
+    prompt_chunk_tokens: int = _key("scheduler.prompt_chunk_tokens")  # prompt chunks end on this grid (0: anywhere)
     batch_window_ms: float = _key("scheduler.batch_window_ms")  # wait this long for company when the batch is empty
     policy: SchedulingPolicy = _key("scheduler.policy")
     overflow_policy: OverflowPolicy = _key("router.overflow_policy")
@@ -61,9 +62,7 @@ class EngineOptions:
     routing_buckets: int = _key("router.channel_pool_size")
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
-    speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram | draft_model (docs/speculative.md)
-    draft_model: str | None = _key("speculative.draft_model")  # draft_model: a model Kev loads, same tokenizer
-    draft_layers: int | None = _key("speculative.draft_layers")  # draft_model: the first N layers only
+    speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram (docs/speculative.md)
     max_draft_tokens: int = _key("speculative.max_draft_tokens")  # drafts verified per question per step
     ngram_min: int = _key("speculative.ngram_min")
     ngram_max: int = _key("speculative.ngram_max")

@@ -109,6 +109,9 @@ class CoreConfig(_Section):
 class SchedulerConfig(_Section):
     batch_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 10.0
     max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048
+    # A prompt is computed in chunks that end only at multiples of this many positions (or at its end),
+    # whatever shares the step: its attention calls never depend on its neighbours. 0: cut anywhere.
+    prompt_chunk_tokens: Annotated[int, Meta(ge=0)] = 512
     policy: SchedulingPolicy = "fcfs"
     length_aware_grouping: bool = False
     early_stop: bool = True
@@ -266,16 +269,14 @@ class StructuredConfig(_Section):
     cache_size: Annotated[int, Meta(ge=1, le=100_000)] = 256  # compiled grammars kept, least recently used out
 
 
-SpeculativeMethod = Literal["off", "ngram", "draft_model"]  # speculative.method
+SpeculativeMethod = Literal["off", "ngram"]  # speculative.method
 SpeculativePolicy = Literal["auto", "always"]  # speculative.policy
 
 
 class SpeculativeConfig(_Section):
     """Speculative decoding inside the packed forward (docs/speculative.md). Off by default."""
 
-    method: SpeculativeMethod = "off"  # ngram: prompt lookup over the question's own tokens; draft_model
-    draft_model: str | None = None  # method draft_model: a model Kev loads (same tokenizer) that drafts greedily
-    draft_layers: Annotated[int, Meta(ge=1)] | None = None  # method draft_model: its (or the target's) first N layers
+    method: SpeculativeMethod = "off"  # ngram: prompt lookup over the question's own tokens
     max_draft_tokens: Annotated[int, Meta(ge=1, le=64)] = 4  # drafts verified per question per step
     ngram_min: Annotated[int, Meta(ge=1, le=64)] = 1  # shortest tail n-gram looked up
     ngram_max: Annotated[int, Meta(ge=1, le=64)] = 3  # longest tail n-gram looked up (tried first)

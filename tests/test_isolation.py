@@ -176,7 +176,8 @@ def test_dense_mask_is_never_built():
         hf = build_hf_tiny("llama", max_position_embeddings=1024)
         model = kev_model_from_hf(hf, tokenizer)
         del hf
-        options = tiny_options(num_blocks=24 * 45, max_context=1024, max_tokens_per_step=24 * 700)
+        options = tiny_options(num_blocks=24 * 45, max_context=1024, max_tokens_per_step=24 * 700,
+                               prompt_chunk_tokens=1024)  # each prompt in one chunk
         questions = [Q(f"q{i}", [(i * 7 + j) % 256 for j in range(700)], dict(max_new_tokens=1)) for i in range(24)]
         run_core(model, questions[:2], options)  # warm up kernels on a small batch
         core = EngineCore(model, options)

@@ -28,6 +28,9 @@ class SchedulerLimits:
     # Deterministic mode: a chunk never mixes prompt and generated tokens, and generated tokens go one
     # per chunk (also when recomputed after a preemption), so each token's row always takes one path.
     split_roles: bool = False
+    # Default mode: a prompt chunk ends only at a multiple of this many positions or at the prompt's end,
+    # so its chunks (and their attention calls) are the same whatever shares the step. 0: anywhere.
+    prompt_chunk: int = 0
     # A question that does not fit lets later ones that do go first, at most this many times; then
     # admission waits for it (room for small questions, no starvation of a big one).
     max_overtakes: int = 16

@@ -183,6 +183,8 @@ class Scheduler(Speculation):
             # Leave a token for every question behind this one: a long prefill never stalls their decodes.
             behind = len(self.running) - 1 - self.running.index(seq)
             length = self._chunk_length(seq, max(1, budget - behind))
+            if not length:  # its next prompt chunk needs more of the step than is left
+                continue
             draft = self._draft(seq, length, budget - behind, behind)
             if draft:
                 plan.chunks.append(self._chunk(seq, length, draft))
@@ -237,6 +239,9 @@ class Scheduler(Speculation):
         """Admit `seq` with its first chunk if the pool has room for it, reading the `cached` blocks."""
         seq.num_computed_tokens = len(cached) * self.pool.block_size
         length = self._chunk_length(seq, budget)
+        if not length:  # its first chunk needs more of the step than is left
+            seq.num_computed_tokens = 0
+            return None
         needed = self.pool.blocks_for(seq.num_computed_tokens + length) - len(cached)
         if seq.status == Status.PREEMPTED:
             # Back only with room for all it had plus a block per running question: re-admitting it
@@ -280,10 +285,13 @@ class Scheduler(Speculation):
                 budget -= length
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step within `budget`; 0 when its next chunk does not fit."""
         length = min(seq.num_uncomputed, budget)
         if self.limits.split_roles:
             prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
             length = min(length, prompt_left if prompt_left > 0 else 1)
+        elif self.limits.prompt_chunk and seq.num_uncomputed > 1:
+            length = on_grid(seq.num_computed_tokens, seq.num_tokens, length, self.limits.prompt_chunk)
         return length
 
     def _chunk(self, seq: Sequence, length: int, draft: tuple[int, ...] = ()) -> Chunk:
@@ -304,6 +312,15 @@ class Scheduler(Speculation):
                 if seq.admitted_at is None:  # never computed: the answer says why it is empty
                     seq.error = "the question's deadline passed while it waited for a place in the batch"
                 self.finish(seq, Status.TIMEOUT)
+
+
+def on_grid(start: int, end: int, length: int, grid: int) -> int:
+    """The longest chunk from `start`, at most `length` tokens, that ends at `end` or on a multiple of
+    `grid` and crosses none: the same cuts whatever budget a step has left. 0 if none fits."""
+    stop = min(end, (start // grid + 1) * grid)
+    if start + length >= stop:
+        return stop - start
+    return 0
 
 
 def _keep_order(seq: Sequence) -> tuple:
