@@ -63,7 +63,8 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
         self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position),
-                                   drafter=build_drafter(options, model))
+                                   drafter=build_drafter(options, model, weights, num_blocks * self.block_size,
+                                                         self.block_size))
         measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)

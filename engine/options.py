@@ -62,7 +62,9 @@ class EngineOptions:
     routing_buckets: int = _key("router.channel_pool_size")
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
-    speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram (docs/speculative.md)
+    speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram | draft_model (docs/speculative.md)
+    draft_model: str | None = _key("speculative.draft_model")  # draft_model: a model Kev loads, same tokenizer
+    draft_layers: int | None = _key("speculative.draft_layers")  # draft_model: the first N layers only
     max_draft_tokens: int = _key("speculative.max_draft_tokens")  # drafts verified per question per step
     ngram_min: int = _key("speculative.ngram_min")
     ngram_max: int = _key("speculative.ngram_max")

@@ -269,14 +269,16 @@ class StructuredConfig(_Section):
     cache_size: Annotated[int, Meta(ge=1, le=100_000)] = 256  # compiled grammars kept, least recently used out
 
 
-SpeculativeMethod = Literal["off", "ngram"]  # speculative.method
+SpeculativeMethod = Literal["off", "ngram", "draft_model"]  # speculative.method
 SpeculativePolicy = Literal["auto", "always"]  # speculative.policy
 
 
 class SpeculativeConfig(_Section):
     """Speculative decoding inside the packed forward (docs/speculative.md). Off by default."""
 
-    method: SpeculativeMethod = "off"  # ngram: prompt lookup over the question's own tokens
+    method: SpeculativeMethod = "off"  # ngram: prompt lookup over the question's own tokens; draft_model
+    draft_model: str | None = None  # method draft_model: a model Kev loads (same tokenizer) that drafts greedily
+    draft_layers: Annotated[int, Meta(ge=1)] | None = None  # method draft_model: its (or the target's) first N layers
     max_draft_tokens: Annotated[int, Meta(ge=1, le=64)] = 4  # drafts verified per question per step
     ngram_min: Annotated[int, Meta(ge=1, le=64)] = 1  # shortest tail n-gram looked up
     ngram_max: Annotated[int, Meta(ge=1, le=64)] = 3  # longest tail n-gram looked up (tried first)
