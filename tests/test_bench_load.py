@@ -128,6 +128,15 @@ def test_kev_bench_load_runs_kev_and_static_batching_and_writes_json_and_plot(ti
     assert out.count("solo reference: answering") == 1
 
 
+def test_kev_bench_load_in_deterministic_mode_on_the_library_kernel(tiny_model_dir, tmp_path, capsys):
+    assert _load(tiny_model_dir, tmp_path, "--no-static", "--rates", "inf", "--plot", "", "--deterministic",
+                 "--matmul", "library") == 0
+    assert "matmul library" in capsys.readouterr().out
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert result["matmul"] == "library" and result["engine_options"]["deterministic"] is True
+    assert all(p["completed"] == 5 for p in result["points"])
+
+
 @pytest.mark.kafka
 def test_kev_bench_load_via_kafka(tiny_model_dir, tmp_path, capsys):
     assert _load(tiny_model_dir, tmp_path, "--no-static", "--via-kafka", "--rates", "10", "--plot", "") == 0

@@ -14,7 +14,7 @@ import argparse
 from importlib import import_module
 
 BENCHES: tuple[str, ...] = ("engine", "lora", "scaling", "kafka", "load", "gateway", "routing", "precision",
-                            "step", "structured", "spec", "peer")
+                            "step", "structured", "spec", "peer", "isolation")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

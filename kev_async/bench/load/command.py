@@ -115,6 +115,10 @@ def _add_engine_flags(group) -> None:
     group.add_argument("--dtype", default=None, help="weights/activations precision for load_model, e.g. fp32, bf16")
     group.add_argument("--weights", default=None, help="weight quantisation, e.g. int8 (where Kev has it)")
     group.add_argument("--kv-dtype", default=None, help="KV cache precision, e.g. int8 (where Kev has it)")
+    group.add_argument("--matmul", default=None, choices=("auto", "row_linear", "library"),
+                       help="core.matmul: the CPU kernel for weight matmuls (default: auto)")
+    group.add_argument("--deterministic", action="store_true", default=None,
+                       help="isolation.deterministic: bitwise-identical logits whatever shares the forward")
     group.add_argument("--isolation", choices=("strict", "shared"), default="strict",
                        help="shared: Kev reuses cached full prompt blocks (prefix cache, EngineOptions."
                             "prefix_caching); pair it with --shared-prefix (default strict)")

@@ -48,7 +48,8 @@ def run_load(args: argparse.Namespace, out=print) -> dict:
 
 
 def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
-    """--dtype/--weights/--kv-dtype go to whichever of load_model and EngineOptions takes them."""
+    """--dtype/--weights/--kv-dtype/--matmul go to whichever of load_model and EngineOptions takes them;
+    --deterministic to EngineOptions (the engine's math mode)."""
     load_params = inspect.signature(load_model).parameters
     option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
     load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
@@ -60,8 +61,10 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
         if "prefix_caching" not in option_fields:
             raise LoadBenchError("--isolation shared: this Kev has no prefix cache (EngineOptions.prefix_caching)")
         option_kwargs["prefix_caching"] = True
-    for name in ("dtype", "weights", "kv_dtype"):
-        value = getattr(args, name)
+    if getattr(args, "deterministic", None):
+        option_kwargs["deterministic"] = True
+    for name in ("dtype", "weights", "kv_dtype", "matmul"):
+        value = getattr(args, name, None)
         if value is None:
             continue
         if name in load_params:
@@ -72,6 +75,11 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
             raise LoadBenchError(f"--{name.replace('_', '-')} {value}: this Kev has no `{name}` option yet "
                                  "(neither load_model nor EngineOptions takes it)")
     return load_kwargs, option_kwargs
+
+
+def _matmul_kernel(model) -> str:
+    choice = getattr(model.weights, "matmul", None)
+    return choice.kernel if choice is not None else "library"
 
 
 class LoadRun:
@@ -90,11 +98,11 @@ class LoadRun:
         self.hf = None
         result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(),
                   "torch_threads": torch.get_num_threads(), "model": self.model.name, "dtype": str(self.model.dtype),
-                  "engine_options": self.option_kwargs,
+                  "engine_options": self.option_kwargs, "matmul": _matmul_kernel(self.model),
                   "args": {k: v for k, v in vars(self.args).items() if k != "func"}, "points": [], "static_sweep": [],
                   "traces": [], "outcomes": []}
-        self.out(f"model {self.model.name} ({self.model.dtype}), {result['cpu']}, torch threads "
-                 f"{result['torch_threads']}")
+        self.out(f"model {self.model.name} ({self.model.dtype}, matmul {result['matmul']}), {result['cpu']}, "
+                 f"torch threads {result['torch_threads']}")
         for rate in self.rates:
             self._one_rate(rate, result)
         _write_json(result, self.args.output_json)
