@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.kernels import row_linear
-from engine.schedule.scheduler import on_grid
+from engine.schedule.prompt_grid import on_grid
 
 NEW_TOKENS = 12
 

@@ -19,6 +19,7 @@ from engine.schedule.prefix_chain import (
     name_filled_blocks,
     shared_chain,
 )
+from engine.schedule.prompt_grid import on_grid
 from engine.schedule.sequence import Sequence, Status
 from engine.schedule.step_plan import Chunk, StepPlan
 from engine.schedule.speculation import Speculation
@@ -312,15 +313,6 @@ class Scheduler(Speculation):
                 if seq.admitted_at is None:  # never computed: the answer says why it is empty
                     seq.error = "the question's deadline passed while it waited for a place in the batch"
                 self.finish(seq, Status.TIMEOUT)
-
-
-def on_grid(start: int, end: int, length: int, grid: int) -> int:
-    """The longest chunk from `start`, at most `length` tokens, that ends at `end` or on a multiple of
-    `grid` and crosses none: the same cuts whatever budget a step has left. 0 if none fits."""
-    stop = min(end, (start // grid + 1) * grid)
-    if start + length >= stop:
-        return stop - start
-    return 0
 
 
 def _keep_order(seq: Sequence) -> tuple:
