@@ -128,7 +128,7 @@ class DraftModel:
         return sum(len(h.blocks) for h in self.held.values())
 
     # -- cost ---------------------------------------------------------------------------------------
-    def measure(self, rows: tuple[int, ...]) -> StepCosts:
+    def measure(self, rows: tuple[int, ...], budget_s: float) -> StepCosts:
         """Its forward against rows (n single-token rows over one block each), before any question."""
         context = min(self.block_size, 16)
 
@@ -140,7 +140,7 @@ class DraftModel:
             with torch.inference_mode():
                 self._forward(asks)
 
-        return measure(step, rows, self.device)
+        return measure(step, rows, self.device, budget_s)
 
 
 def layer_view(weights, spec, layers: int):

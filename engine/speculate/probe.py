@@ -24,23 +24,24 @@ BUDGET_S = 2.0  # past it no bigger size is started; the table extends the last 
 
 def measure(step: Callable[[int], None], rows: tuple[int, ...], device: torch.device,
             budget_s: float = BUDGET_S) -> StepCosts:
-    """`step(n)` runs one forward of n rows; each size runs once to warm up, then REPEATS timed.
-    Sizes go up while the probe has run under `budget_s` (the first two always)."""
-    seconds = []
-    started = time.perf_counter()
+    """`step(n)` runs one forward of n rows. Each size runs once to warm up (sizes go up while the
+    probe has run under `budget_s`, the first two always), then REPEATS rounds over all the sizes
+    warmed, keeping each size's fastest: a stall of a shared machine hits one round, not one size."""
+    started, sizes = time.perf_counter(), []
     for n in rows:
-        if len(seconds) >= 2 and time.perf_counter() - started > budget_s:
+        if len(sizes) >= 2 and time.perf_counter() - started > budget_s:
             break
         step(n)  # first-call allocations and kernel choices for this shape
-        best = float("inf")
-        for _ in range(REPEATS):
+        sizes.append(n)
+    best = [float("inf")] * len(sizes)
+    for _ in range(REPEATS):
+        for i, n in enumerate(sizes):
             began = time.perf_counter()
             step(n)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - began)
-        seconds.append(best)
-    return StepCosts(tuple(rows[: len(seconds)]), tuple(seconds))
+            best[i] = min(best[i], time.perf_counter() - began)
+    return StepCosts(tuple(sizes), tuple(best))
 
 
 def probe_rows(max_tokens_per_step: int) -> tuple[int, ...]:

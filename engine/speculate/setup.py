@@ -8,7 +8,7 @@ import structlog
 
 from engine.speculate.draft_model import DraftModel, DraftModelRefused, check_tokenizer, layer_view
 from engine.speculate.ngram import NgramDrafter
-from engine.speculate.probe import measure, probe_rows, target_step
+from engine.speculate.probe import BUDGET_S, measure, probe_rows, target_step
 
 log = structlog.get_logger("kev.engine")
 
@@ -62,7 +62,7 @@ def measure_costs(options, scheduler, runner, pool, device) -> None:
     scheduler.step_costs = measure(target_step(runner, pool.num_blocks, pool.block_size), rows, device)
     figures = {"forward": scheduler.step_costs.summary()}
     drafter = scheduler.drafter
-    if hasattr(drafter, "measure"):
-        drafter.costs = drafter.measure(rows)
+    if hasattr(drafter, "measure"):  # within the same budget, roughly: half of it again
+        drafter.costs = drafter.measure(rows, BUDGET_S / 2)
         figures["drafter"] = drafter.costs.summary()
     log.info("speculative.cost_model", **figures, seconds=round(time.perf_counter() - started, 3))
