@@ -53,6 +53,16 @@ def test_bench_step_times_full_decode_steps_against_the_matmul_floor(tiny_model_
     assert "aten::" in out  # --profile: the largest batch's operators
 
 
+def test_bench_step_compares_row_linear_and_the_library_side_by_side(tiny_model_dir, capsys):
+    assert main(["bench", "step", "--model", str(tiny_model_dir), "--batch-sizes", "1,4", "--context", "30",
+                 "--steps", "3", "--threads", "2", "--matmul", "both"]) == 0
+    out = capsys.readouterr().out
+    assert "core.matmul: row_linear" in out and "core.matmul: library" in out
+    assert "matmul row_linear)" in out and "matmul library)" in out
+    ratios = [line for line in out.splitlines() if line.startswith(("| 1 | ", "| 4 | ")) and line.count("|") == 4]
+    assert len(ratios) == 2 and all(float(line.split("|")[2].strip().rstrip("x")) > 0 for line in ratios)
+
+
 def test_bench_step_kv_dtype_int8_builds_an_int8_cache_and_counts_its_bytes(tiny_model_dir, capsys):
     kv_ms = {}
     for kv_dtype in ("auto", "int8"):

@@ -43,6 +43,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
                       help="KV cache precision: auto (the model's dtype) or int8 (default auto)")
     step.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
     step.add_argument("--profile", action="store_true", help="torch.profiler over the largest batch's steps")
+    step.add_argument("--matmul", default="auto", choices=("auto", "row_linear", "library", "both"),
+                      help="core.matmul for the weight matmuls; both: row_linear and the library side by side, "
+                           "alternating per batch size, with their ratio (default auto)")
     step.set_defaults(func=_cli)
 
 
@@ -50,7 +53,11 @@ def _cli(args: argparse.Namespace) -> int:
     from engine import load_model
 
     set_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype)
+    if args.matmul == "both":
+        models = {kernel: load_model(args.model, dtype=args.dtype, matmul=kernel) for kernel in ("row_linear", "library")}
+        compare_kernels(models, args.batch_sizes, context=args.context, steps=args.steps, kv_dtype=args.kv_dtype)
+        return 0
+    model = load_model(args.model, dtype=args.dtype, matmul=args.matmul)
     bench_step(model, args.batch_sizes, context=args.context, steps=args.steps, profile=args.profile,
                kv_dtype=args.kv_dtype)
     return 0
@@ -63,20 +70,47 @@ def bench_step(model, batch_sizes: list[int], *, context: int = 400, steps: int 
     rows = []
     bandwidth = _read_bandwidth(torch.get_num_threads())
     for batch in batch_sizes:
-        core, sequences = _prefilled_core(model, batch, context, steps, kv_dtype)
-        # The median timed step's context: the rows' tokens now plus the warm-up and half the timed steps.
-        kv_tokens = sum(seq.num_tokens for seq in sequences) + batch * (2 + steps // 2)
-        kv_s = kv_tokens * model.spec.kv_bytes_per_token(core.kv.k.dtype) / bandwidth
-        step_s = _decode_steps(core, batch, steps)
-        floor_s = _gemm_floor(core.runner.weights, batch, model.dtype, repeats=steps)
-        rows.append(dict(batch=batch, step_ms=step_s * 1000, gemm_ms=floor_s * 1000, ratio=step_s / floor_s,
-                         kv_read_ms=kv_s * 1000, floor_ratio=step_s / (floor_s + kv_s), tokens_per_s=batch / step_s))
+        row, core = _measure(model, batch, context, steps, kv_dtype, bandwidth)
+        rows.append(row)
         if profile and batch == max(batch_sizes):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 _decode_steps(core, batch, min(steps, 10))
             out(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     _report(rows, model, context, steps, bandwidth, kv_dtype, out)
     return rows
+
+
+def compare_kernels(models: dict, batch_sizes: list[int], *, context: int = 400, steps: int = 20,
+                    kv_dtype: str = "auto", out=print) -> list[dict]:
+    """The same measurement for each core.matmul kernel's model, taking turns at each batch size (a noisy
+    host slows both alike), then library / row_linear per batch size."""
+    import torch
+
+    bandwidth = _read_bandwidth(torch.get_num_threads())
+    rows = {kernel: [] for kernel in models}
+    for batch in batch_sizes:
+        for kernel, model in models.items():
+            rows[kernel].append(_measure(model, batch, context, steps, kv_dtype, bandwidth)[0])
+    for kernel, model in models.items():
+        out(f"\ncore.matmul: {kernel}")
+        _report(rows[kernel], model, context, steps, bandwidth, kv_dtype, out)
+    first, second = list(models)
+    out(f"\n| batch | decode step, {second} / {first} | weight matmuls, {second} / {first} |\n|---:|---:|---:|")
+    for a, b in zip(rows[first], rows[second]):
+        out(f"| {a['batch']} | {b['step_ms'] / a['step_ms']:.2f}x | {b['gemm_ms'] / a['gemm_ms']:.2f}x |")
+    return [dict(kernel=kernel, **row) for kernel, kernel_rows in rows.items() for row in kernel_rows]
+
+
+def _measure(model, batch: int, context: int, steps: int, kv_dtype: str, bandwidth: float) -> tuple[dict, object]:
+    """One batch size's row of the table, and the engine it was measured on."""
+    core, sequences = _prefilled_core(model, batch, context, steps, kv_dtype)
+    # The median timed step's context: the rows' tokens now plus the warm-up and half the timed steps.
+    kv_tokens = sum(seq.num_tokens for seq in sequences) + batch * (2 + steps // 2)
+    kv_s = kv_tokens * model.spec.kv_bytes_per_token(core.kv.k.dtype) / bandwidth
+    step_s = _decode_steps(core, batch, steps)
+    floor_s = _gemm_floor(core.runner.weights, batch, model.dtype, repeats=steps)
+    return dict(batch=batch, step_ms=step_s * 1000, gemm_ms=floor_s * 1000, ratio=step_s / floor_s,
+                kv_read_ms=kv_s * 1000, floor_ratio=step_s / (floor_s + kv_s), tokens_per_s=batch / step_s), core
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,8 +202,10 @@ def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float,
 
     dtype = str(model.dtype).removeprefix("torch.")
     kv = "int8" if kv_dtype == "int8" else dtype
-    out(f"model {model.name} ({dtype}, {model.weight_format} weights, {kv} KV), {torch.get_num_threads()} threads, every "
-        f"row at ~{context} tokens of context, median of {steps} decode steps; memory read {bandwidth / 1e9:.1f} GB/s")
+    kernel = model.weights.matmul.kernel if getattr(model.weights, "matmul", None) else "library"
+    out(f"model {model.name} ({dtype}, {model.weight_format} weights, {kv} KV, matmul {kernel}), "
+        f"{torch.get_num_threads()} threads, every row at ~{context} tokens of context, median of {steps} decode "
+        f"steps; memory read {bandwidth / 1e9:.1f} GB/s")
     out("| batch | decode step ms | weight matmuls alone ms | step / matmuls | KV read ms | step / (matmuls + KV read) "
         "| tokens/s |\n|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
