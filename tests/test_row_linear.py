@@ -258,3 +258,24 @@ def test_a_new_thread_count_is_checked_before_the_kernel_is_trusted_there(tiny_m
     finally:
         torch.set_num_threads(threads)
     assert rows.row_weight(weights.lm_head) is not None  # still proven at the first count
+
+
+@pytest.mark.parametrize("width", [64, 576, 960])
+def test_bf16_rms_norm_in_one_call_is_transformers_within_one_bf16_step_and_row_invariant(width):
+    """engine.model.layers.rms_norm in bf16 on the CPU goes through the extension's rms_norm_bf16."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine.model.layers import rms_norm
+
+    if row_linear.kernel() is None:
+        pytest.skip("no C++ compiler: the kernel is not built")
+    generator = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.randn(width, generator=generator) * 0.3 + 1).to(torch.bfloat16)
+    x = (torch.randn(300, width, generator=generator) * 3).to(torch.bfloat16)
+    expected, ours = norm(x), rms_norm(x, norm.weight.data, 1e-5)
+    step = expected.float().abs() * 2**-7  # one bf16 step at each value (8 significant bits)
+    assert ((expected.float() - ours.float()).abs() <= 2 * step).all()
+    assert (expected == ours).float().mean() > 0.999
+    for row in (0, 7, 299):
+        assert torch.equal(rms_norm(x[row : row + 1].contiguous(), norm.weight.data, 1e-5)[0], ours[row])
