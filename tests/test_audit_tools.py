@@ -47,7 +47,8 @@ def run_log(tmp_path_factory, harness, tiny_model) -> Path:
     with json_log_to(path):
         harness.run_core(tiny_model, [Q("q0", harness.random_prompt(rng, 9), dict(max_new_tokens=8)),
                                       Q("q1", harness.random_prompt(rng, 30), dict(max_new_tokens=8))],
-                         harness.tiny_options(audit=True, max_tokens_per_step=24, block_size=4),
+                         # prompt_chunk_tokens=0: prompts cut wherever the budget ends, as this scenario needs
+                         harness.tiny_options(audit=True, max_tokens_per_step=24, block_size=4, prompt_chunk_tokens=0),
                          later={2: [Q("q2", harness.random_prompt(rng, 17), dict(max_new_tokens=6)),
                                     Q("q3", harness.random_prompt(rng, 22), dict(max_new_tokens=6))]})
     return path

@@ -234,3 +234,21 @@ def test_batched_tiles_where_one_call_is_declined_are_bitwise_too(tiny_models, h
     assert not tiles._ONE_CALL
     packed = harness.run_core(model, batch_with_victim(harness, 5, 23), deterministic(harness)).logits["victim"]
     assert_bitwise(solo, packed)
+
+
+@pytest.mark.parametrize("paged", ["1", "0"], ids=["every-row-as-a-decode", "fixed-tiles"])
+def test_both_attention_paths_keep_the_bits_of_a_prompt_split_by_its_neighbours(tiny_models, harness, monkeypatch,
+                                                                                paged):
+    """Where the paged decode kernel runs, every row attends as a decode of its own position
+    (RowwiseAttention); without it (KEV_PAGED_DECODE=0) the fixed tiles do. Either way: bitwise."""
+    monkeypatch.setenv("KEV_PAGED_DECODE", paged)
+    model = tiny_models["qwen2"].kev
+    options = deterministic(harness, max_tokens_per_step=64)
+    backend = EngineCore(model, options).runner.attention
+    assert type(backend).__name__ == ("RowwiseAttention" if paged == "1" else "FixedTileAttention")
+    solo = harness.run_core(model, [victim(harness)], options)
+    rng = random.Random(8)
+    others = [harness.Q(f"n{i}", harness.random_prompt(rng, 40), dict(max_new_tokens=NEW_TOKENS)) for i in range(3)]
+    packed = harness.run_core(model, others + [victim(harness)], options)
+    assert [length for plan in packed.plans for qid, _s, length, _ in plan if qid == "victim"][0] < 37
+    assert_bitwise(solo.logits["victim"], packed.logits["victim"])

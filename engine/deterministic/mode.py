@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.adapters.lora import LoraBatch, LoraStacks
 from engine.deterministic import rows
 from engine.deterministic.attention import FixedTileAttention
+from engine.deterministic.rowwise import RowwiseAttention
 from engine.deterministic.lora import TiledLoraBatch
 from engine.deterministic.tiles import TileCheck, tiled_linear
 from engine.kernels.attention import TorchAttention
@@ -46,8 +47,9 @@ class MathMode:
 
 class DeterministicMode(MathMode):
     """Batch-invariant: every matmul through row_linear (one fixed order of additions per output) or,
-    where its check fails or cannot run, in fixed row tiles; attention in fixed tiles read from the
-    cache, each adapter's LoRA alone in tiles. A row's logits are bitwise the same whatever shares its
+    where its check fails or cannot run, in fixed row tiles; every row's attention as a decode of its own
+    position read from the cache (fixed tiles where the paged kernel cannot run); each adapter's LoRA
+    alone in tiles. A row's logits are bitwise the same whatever shares its
     forward, however its prompt was chunked."""
 
     @staticmethod
@@ -60,8 +62,9 @@ class DeterministicMode(MathMode):
     def check(self, matrices: list) -> None:
         TileCheck.weights(rows.take(matrices))
 
-    def attention(self, kv: KVCache) -> FixedTileAttention:
-        return FixedTileAttention(kv)
+    def attention(self, kv: KVCache) -> RowwiseAttention | FixedTileAttention:
+        """Every row as a decode of its own position where the paged kernel covers the cache, else tiles."""
+        return RowwiseAttention(kv) if RowwiseAttention.usable(kv) else FixedTileAttention(kv)
 
     def lora_batch(self, spans, device, stacks: LoraStacks):
         return TiledLoraBatch.build(spans, device)

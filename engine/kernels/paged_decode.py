@@ -82,6 +82,21 @@ class PagedDecodes:
         self.block_size = block_size
         self.op = kernel()  # once per step, not per layer
 
+    @classmethod
+    def every_row(cls, segments: list, block_size: int) -> "PagedDecodes":
+        """Every row of every segment as a decode of its own position: row i of a chunk reads its question's
+        first cached + i + 1 keys, in place. Deterministic mode attends prompt rows so (a row's arithmetic
+        then depends on its own position and keys alone). Segments must cover the step's rows in order."""
+        assert [s.q_start for s in segments] == [sum(s.q_len for s in segments[:i]) for i in range(len(segments))]
+        widest = max(len(s.block_ids) for s in segments)
+        tables = torch.tensor([s.block_ids + s.block_ids[:1] * (widest - len(s.block_ids)) for s in segments],
+                              dtype=torch.long)
+        rows = cls.__new__(cls)
+        rows.table = tables.repeat_interleave(torch.tensor([s.q_len for s in segments]), dim=0)
+        rows.lengths = torch.cat([torch.arange(s.cached + 1, s.kv_len + 1) for s in segments])
+        rows.rows, rows.block_size, rows.op = None, block_size, kernel()
+        return rows
+
     def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
         """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
         scales = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
