@@ -262,7 +262,7 @@ def test_a_new_thread_count_is_checked_before_the_kernel_is_trusted_there(tiny_m
 
 @pytest.mark.parametrize("width", [64, 576, 960])
 def test_bf16_rms_norm_in_one_call_is_transformers_within_one_bf16_step_and_row_invariant(width):
-    """engine.model.layers.rms_norm in bf16 on the CPU goes through the extension's rms_norm_bf16."""
+    """engine.model.layers.rms_norm on the CPU goes through the extension's rms_norm."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from engine.model.layers import rms_norm
@@ -279,3 +279,21 @@ def test_bf16_rms_norm_in_one_call_is_transformers_within_one_bf16_step_and_row_
     assert (expected == ours).float().mean() > 0.999
     for row in (0, 7, 299):
         assert torch.equal(rms_norm(x[row : row + 1].contiguous(), norm.weight.data, 1e-5)[0], ours[row])
+
+
+@pytest.mark.parametrize("width", [64, 576])
+def test_fp32_rms_norm_in_one_call_is_transformers_within_rounding_and_row_invariant(width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine.model.layers import rms_norm
+
+    if row_linear.kernel() is None:
+        pytest.skip("no C++ compiler: the kernel is not built")
+    generator = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-6)
+    norm.weight.data = torch.randn(width, generator=generator) * 0.3 + 1
+    x = torch.randn(300, width, generator=generator) * 3
+    expected, ours = norm(x), rms_norm(x, norm.weight.data, 1e-6)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=4e-6)  # a few fp32 ulps: another sum order
+    for row in (0, 150, 299):
+        assert torch.equal(rms_norm(x[row : row + 1].contiguous(), norm.weight.data, 1e-6)[0], ours[row])

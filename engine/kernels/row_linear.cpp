@@ -344,38 +344,46 @@ torch::Tensor row_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // The instruction set this build multiplies with: avx512-bf16, avx512, avx2 or plain.
 std::string row_linear_isa() { return Isa::name(); }
 
-// transformers' RMSNorm for bf16 rows in one call: per row, in fp32, x / sqrt(mean(x^2) + eps) rounded to
-// bf16, then times the bf16 weight and rounded again (two roundings, as transformers does). The sum of
-// squares runs left to right in fp32, so a row's result depends on that row alone. torch needs ~8 calls
-// per norm in bf16 (to float, fused norm, back, multiply), which at a decode step's single row cost
-// more than the arithmetic.
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::ScalarType::BFloat16 && weight.scalar_type() == at::ScalarType::BFloat16,
-              "rms_norm_bf16: bf16 rows and weight");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1, "rms_norm_bf16: contiguous");
-  const int64_t width = weight.size(0);
-  TORCH_CHECK(x.size(-1) == width, "rms_norm_bf16: rows of ", x.size(-1), " against a weight of ", width);
-  auto y = torch::empty_like(x);
-  const int64_t rows = x.numel() / width;
-  const auto* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const float epsilon = static_cast<float>(eps);
+// transformers' RMSNorm in one call: per row, in fp32, x / sqrt(mean(x^2) + eps), then times the weight; for
+// bf16 rows the normalised value is rounded to bf16 before the product and the product again (transformers'
+// two roundings). The sum of squares runs left to right, so a row's result depends on that row alone. torch
+// needs several calls per norm (in bf16 ~8: to float, norm, back, multiply), which at a decode step's single
+// row cost more than the arithmetic; a step makes 61.
+template <typename T>
+static void rms_norm_rows(const T* in, const T* w, T* out, int64_t rows, int64_t width, float epsilon) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* row = in + r * width;
+      const T* row = in + r * width;
       float squares = 0.0f;
       for (int64_t i = 0; i < width; ++i) {
-        const float value = from_bf16(row[i]);
+        const float value = static_cast<float>(row[i]);
         squares += value * value;
       }
       const float scale = 1.0f / std::sqrt(squares / static_cast<float>(width) + epsilon);
-      uint16_t* dest = out + r * width;
+      T* dest = out + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        const float normed = from_bf16(to_bf16(from_bf16(row[i]) * scale));
-        dest[i] = to_bf16(from_bf16(w[i]) * normed);
+        // static_cast<T> rounds to bf16 (nearest even) where T is bf16, and is exact for float.
+        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * scale));
+        dest[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
       }
     }
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: rows and weight of one dtype");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1, "rms_norm: contiguous");
+  const int64_t width = weight.size(0);
+  TORCH_CHECK(x.size(-1) == width, "rms_norm: rows of ", x.size(-1), " against a weight of ", width);
+  auto y = torch::empty_like(x);
+  const int64_t rows = x.numel() / width;
+  const float epsilon = static_cast<float>(eps);
+  if (x.scalar_type() == at::ScalarType::Float) {
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, width, epsilon);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::ScalarType::BFloat16, "rms_norm: fp32 or bf16 only");
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows,
+                  width, epsilon);
+  }
   return y;
 }

@@ -9,23 +9,22 @@ from engine.kernels import row_linear
 from engine.kernels.quant import Int8Weight
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalised in fp32, rounded to x's dtype, then scaled. In fp32 torch's fused
-    op gives transformers' bits in one call. In bf16 on a CPU, row_linear's extension does it in one call
-    too (torch takes ~8: to float, norm, back, multiply; a decode step makes 61), rounding twice as
-    transformers does; its sum of squares runs in another order, so a value can differ by one bf16 step."""
+    """transformers' RMSNorm: normalised in fp32, rounded to x's dtype, then scaled. On a CPU, row_linear's
+    extension does it in one call (torch takes 5-8, ~20 us for one row; a decode step makes 61), with
+    transformers' roundings; its sum of squares runs in its own fixed order, so a value can differ from
+    transformers' by one step of x's dtype. Elsewhere torch's ops: fp32 in one fused call, bf16 in several."""
+    module = _row_kernels(x, weight)
+    if module is not None:  # a strided view (Qwen3's q and k) is copied first: never a path that depends on T
+        return module.rms_norm(x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    module = _bf16_kernels(x, weight)
-    if module is not None:
-        return module.rms_norm_bf16(x, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def _bf16_kernels(x: torch.Tensor, weight: torch.Tensor):
-    """row_linear's compiled module where it can normalise x (bf16, contiguous, on the CPU), else None."""
-    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu":
-        return None
-    if not x.is_contiguous():
+def _row_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """row_linear's compiled module where it can normalise x (fp32 or bf16 on the CPU), else None. Decided by
+    dtype and device only: whether a view happens to be contiguous changes with the row count."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.device.type != "cpu":
         return None
     return row_linear.kernel()
 
