@@ -23,6 +23,7 @@ from engine.constrain import Constraints
 from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt, unknown_fields
 from engine.kernels.backend import FLASH, BackendChoice, choose_attention, log_choice, tf32_matmul
 from engine.kernels.flash import FlashAttention, flash_installed
+from engine.kernels.rowwise import RowwiseAttention
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.kv.prefix_cache import prefix_salt
@@ -62,7 +63,7 @@ class EngineCore:
         weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
-        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position),
+        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position, self.runner.attention),
                                    drafter=build_drafter(options, model, weights, num_blocks * self.block_size,
                                                          self.block_size))
         measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
@@ -240,7 +241,9 @@ def _choose_attention(model, options: EngineOptions, given) -> BackendChoice:
     return choice
 
 
-def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
+def _limits(options: EngineOptions, model_positions: int, attention=None) -> SchedulerLimits:
+    """`attention`: the runner's backend; a prompt grid only where prompts attend by calls whose shapes follow
+    the chunk (SDPA, flash-attn), not where every row attends as a decode (RowwiseAttention)."""
     return SchedulerLimits(
         max_running=options.max_batch_size,
         max_tokens_per_step=options.max_tokens_per_step,
@@ -253,8 +256,9 @@ def _limits(options: EngineOptions, model_positions: int) -> SchedulerLimits:
         length_aware=options.length_aware,
         early_stop=options.early_stop,
         split_roles=options.deterministic,
-        # Fixed tiles read every chunk from the cache, so deterministic mode may cut a prompt anywhere.
-        prompt_chunk=0 if options.deterministic else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
+        # Fixed tiles and row-wise attention read every row's keys alike whatever the chunk: cut anywhere.
+        prompt_chunk=0 if options.deterministic or isinstance(attention, RowwiseAttention)
+        else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
         speculative_policy=options.speculative_policy,
     )
 

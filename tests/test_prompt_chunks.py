@@ -1,6 +1,7 @@
-"""Prompt chunks on a fixed grid (scheduler.prompt_chunk_tokens): where a prompt is cut never depends on
-what shares its steps, so in default mode a question's logits are bitwise its solo ones at every precision
-(row_linear matmuls, the same attention calls), not only in deterministic mode."""
+"""Default mode's logits are bitwise a question's solo ones at every precision when a prompt is split by its
+neighbours: on the CPU every row attends as a decode of its own position (engine/kernels/rowwise.py), so
+the chunk does not matter; where prompts attend through SDPA instead (no paged kernel), prompt chunks lie
+on a fixed grid (scheduler.prompt_chunk_tokens) so where a prompt is cut never depends on its neighbours."""
 
 from __future__ import annotations
 
@@ -59,29 +60,59 @@ def victim_chunks(outcome) -> list[tuple[int, int]]:
 needs_kernel = pytest.mark.skipif(row_linear.kernel() is None, reason="no C++ compiler: row_linear is not built")
 
 
-@needs_kernel
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_bf16_default_mode_is_bitwise_solo_when_neighbours_fill_the_budget(tiny_models, harness, kind, kv_dtype):
-    """Three 40-token neighbours take most of each 64-token step. Without the grid the victim's prompt
-    would be cut where the budget ran out; on it, alone or packed, it is cut at 16 and 32."""
-    tiny = tiny_models[kind]
-    model = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16)
-    assert model.weights.matmul.kernel == "row_linear"
-    options = harness.tiny_options(max_tokens_per_step=64, prompt_chunk_tokens=16, kv_dtype=kv_dtype)
-    solo = harness.run_core(model, [victim(harness)], options)
-    rng = random.Random(3)
-    others = [harness.Q(f"n{i}", harness.random_prompt(rng, 40), dict(max_new_tokens=NEW_TOKENS)) for i in range(3)]
-    packed = harness.run_core(model, others + [victim(harness)], options)
-    assert victim_chunks(solo) == victim_chunks(packed) == [(0, 16), (16, 16), (32, 5)]
-    assert max(len(plan) for plan in packed.plans) == 4
+def bitwise(solo, packed) -> None:
     for step, (a, b) in enumerate(zip(solo.logits["victim"], packed.logits["victim"])):
         assert torch.equal(a, b), f"step {step}: differs by {(a - b).abs().max().item():.3e}"
     assert packed.tokens("victim") == solo.tokens("victim")
 
 
-def test_without_the_grid_a_busy_step_cuts_the_prompt_where_its_budget_ends(tiny_models, harness):
+def neighbours(harness) -> list:
+    rng = random.Random(3)
+    return [harness.Q(f"n{i}", harness.random_prompt(rng, 40), dict(max_new_tokens=NEW_TOKENS)) for i in range(3)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_default_mode_is_bitwise_solo_with_rows_attending_as_decodes(tiny_models, harness, kind, kv_dtype):
+    """Three 40-token neighbours take most of each 64-token step: the victim's prompt is cut where the
+    budget runs out, differently alone and packed, and its logits do not move."""
+    tiny = tiny_models[kind]
+    model = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16)
+    options = harness.tiny_options(max_tokens_per_step=64, kv_dtype=kv_dtype)
+    from engine.core import EngineCore
+
+    assert type(EngineCore(model, options).runner.attention).__name__ == "RowwiseAttention"
+    solo = harness.run_core(model, [victim(harness)], options)
+    packed = harness.run_core(model, neighbours(harness) + [victim(harness)], options)
+    assert victim_chunks(solo) == [(0, 37)] and victim_chunks(packed) != victim_chunks(solo)
+    bitwise(solo, packed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_sdpa_default_mode_is_bitwise_solo_on_the_grid(tiny_models, harness, kind, kv_dtype, monkeypatch):
+    """Without the paged kernel prompts attend through SDPA, whose calls follow the chunk: on the grid the
+    victim's prompt is cut at 16 and 32 alone and packed, and the prompt's logits (its first token's) are
+    bitwise. (Its later decodes share padded SDPA calls with their neighbours there, which the grid does not
+    cover: the promise on that path stays the greedy tokens.)"""
+    monkeypatch.setenv("KEV_PAGED_DECODE", "0")
+    tiny = tiny_models[kind]
+    model = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=torch.bfloat16)
+    assert model.weights.matmul.kernel == "row_linear"
+    options = harness.tiny_options(max_tokens_per_step=64, prompt_chunk_tokens=16, kv_dtype=kv_dtype)
+    solo = harness.run_core(model, [victim(harness)], options)
+    packed = harness.run_core(model, neighbours(harness) + [victim(harness)], options)
+    assert victim_chunks(solo) == victim_chunks(packed) == [(0, 16), (16, 16), (32, 5)]
+    assert max(len(plan) for plan in packed.plans) == 4
+    assert torch.equal(solo.logits["victim"][0], packed.logits["victim"][0])
+    assert packed.tokens("victim") == solo.tokens("victim")
+
+
+def test_without_the_grid_a_busy_step_cuts_the_prompt_where_its_budget_ends(tiny_models, harness, monkeypatch):
     """prompt_chunk_tokens: 0 restores cutting anywhere (the victim's first chunk is whatever was left)."""
+    monkeypatch.setenv("KEV_PAGED_DECODE", "0")
     model = tiny_models["llama"].kev
     options = harness.tiny_options(max_tokens_per_step=64, prompt_chunk_tokens=0)
     rng = random.Random(3)
@@ -90,10 +121,16 @@ def test_without_the_grid_a_busy_step_cuts_the_prompt_where_its_budget_ends(tiny
     assert victim_chunks(packed)[0][1] not in (16, 37)
 
 
-def test_deterministic_mode_keeps_cutting_anywhere(tiny_models, harness):
-    """Its fixed tiles read every chunk from the cache, so it needs no grid and fills every step."""
+def test_the_grid_only_where_prompts_attend_by_chunk(tiny_models, harness):
+    """Deterministic mode and row-wise attention read every row's keys alike whatever the chunk: no grid;
+    SDPA gets it, capped at the step's budget."""
     from engine.core import _limits
+    from engine.kernels.attention import TorchAttention
+    from engine.kernels.rowwise import RowwiseAttention
 
-    options = harness.tiny_options(deterministic=True, prompt_chunk_tokens=16)
-    assert _limits(options, 512).prompt_chunk == 0
-    assert _limits(harness.tiny_options(prompt_chunk_tokens=4096, max_tokens_per_step=64), 512).prompt_chunk == 64
+    options = harness.tiny_options(prompt_chunk_tokens=16)
+    assert _limits(harness.tiny_options(deterministic=True, prompt_chunk_tokens=16), 512).prompt_chunk == 0
+    assert _limits(options, 512, RowwiseAttention.__new__(RowwiseAttention)).prompt_chunk == 0
+    assert _limits(options, 512, TorchAttention.__new__(TorchAttention)).prompt_chunk == 16
+    capped = harness.tiny_options(prompt_chunk_tokens=4096, max_tokens_per_step=64)
+    assert _limits(capped, 512, TorchAttention.__new__(TorchAttention)).prompt_chunk == 64

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from engine.adapters.lora import LoraBatch, LoraStacks
 from engine.deterministic import rows
 from engine.deterministic.attention import FixedTileAttention
-from engine.deterministic.rowwise import RowwiseAttention
 from engine.deterministic.lora import TiledLoraBatch
 from engine.deterministic.tiles import TileCheck, tiled_linear
 from engine.kernels.attention import TorchAttention
+from engine.kernels.rowwise import RowwiseAttention
 from engine.kv.cache import KVCache
 
 
@@ -36,9 +36,10 @@ class MathMode:
     def check(self, matrices: list) -> None:
         """Prove, before serving, that this CPU computes `matrices` as the mode promises."""
 
-    def attention(self, kv: KVCache) -> TorchAttention:
-        """The attention backend on devices without flash-attn."""
-        return TorchAttention(kv)
+    def attention(self, kv: KVCache) -> RowwiseAttention | TorchAttention:
+        """The attention backend on devices without flash-attn: every row as a decode of its own position
+        where the paged kernel covers the cache (engine/kernels/rowwise.py), else torch SDPA per question."""
+        return RowwiseAttention(kv) if RowwiseAttention.usable(kv) else TorchAttention(kv)
 
     def lora_batch(self, spans, device, stacks: LoraStacks):
         """The step's adapters and their rows; `spans`: (adapter or None, first row, rows) per chunk."""

@@ -64,7 +64,8 @@ def choose_attention(*, device: str, dtype: torch.dtype, kv_dtype: str, determin
             raise BackendRefused(f"core.attention: flash-attn cannot run here: {'; '.join(missing)}")
         return BackendChoice(FLASH, "core.attention: flash-attn", _cuda_slow_paths(dtype, kv_dtype, tf32))
     if device != "cuda":
-        return BackendChoice(SDPA, f"{device}: torch SDPA per question, decodes by the paged kernel where built")
+        return BackendChoice(SDPA, f"{device}: every row as a decode by the paged kernel where built, else torch "
+                                   "SDPA per question")
     if requested == "auto" and not missing:
         return BackendChoice(FLASH, f"cuda, {dtype_name(dtype)}, flash-attn installed")
     slow = _cuda_slow_paths(dtype, kv_dtype, tf32)

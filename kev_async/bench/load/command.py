@@ -117,6 +117,8 @@ def _add_engine_flags(group) -> None:
     group.add_argument("--kv-dtype", default=None, help="KV cache precision, e.g. int8 (where Kev has it)")
     group.add_argument("--matmul", default=None, choices=("auto", "row_linear", "library"),
                        help="core.matmul: the CPU kernel for weight matmuls (default: auto)")
+    group.add_argument("--prompt-chunk-tokens", type=int, default=None,
+                       help="scheduler.prompt_chunk_tokens: prompt chunks end on this grid (0: anywhere; default 512)")
     group.add_argument("--deterministic", action="store_true", default=None,
                        help="isolation.deterministic: bitwise-identical logits whatever shares the forward")
     group.add_argument("--isolation", choices=("strict", "shared"), default="strict",

@@ -63,6 +63,8 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
         option_kwargs["prefix_caching"] = True
     if getattr(args, "deterministic", None):
         option_kwargs["deterministic"] = True
+    if getattr(args, "prompt_chunk_tokens", None) is not None:
+        option_kwargs["prompt_chunk_tokens"] = args.prompt_chunk_tokens
     for name in ("dtype", "weights", "kv_dtype", "matmul"):
         value = getattr(args, name, None)
         if value is None:

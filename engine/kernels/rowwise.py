@@ -1,11 +1,13 @@
-"""Deterministic mode's attention where the paged decode kernel runs: every row attends as a decode.
+"""CPU attention where the paged decode kernel runs: every row attends as a decode of its own position.
 
 A row at position p reads its question's keys 0..p from the cache, in place, and reduces them in
 position order (engine/kernels/paged_decode.cpp), the same arithmetic whether the row is a prompt
 token in a chunk of any size, a generated token, a token recomputed after a preemption, or follows a
-prefix read from the cache. Nothing about its neighbours or its chunk reaches it. It replaces
-FixedTileAttention's tiles of torch ops, whose many small calls made prompt-heavy traffic run at
-about 0.4x of default mode; FixedTileAttention stays for caches the kernel does not cover.
+prefix read from the cache. Nothing about its neighbours or its chunk reaches it, so both modes use it:
+deterministic mode needs exactly this, and default mode gets it for free, faster than torch SDPA per
+prompt on the CPUs measured (a 1,000-token prompt prefills 1.2-1.35x faster) and without a chunk grid.
+Where the kernel does not run, default mode takes torch SDPA (TorchAttention) and deterministic mode
+its fixed tiles (FixedTileAttention).
 """
 
 from __future__ import annotations
