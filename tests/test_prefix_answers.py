@@ -125,14 +125,21 @@ DETERMINISTIC = {  # name: (first's own tokens, its max_new_tokens, the step the
 }
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default-mode"])
 @pytest.mark.parametrize("case", list(DETERMINISTIC))
-def test_deterministic_logits_are_bitwise_identical_with_the_cache_on_and_off(model, harness, case):
+def test_logits_are_bitwise_identical_with_the_cache_on_and_off(model, harness, case, deterministic):
+    """In deterministic mode, and in default mode too where every row attends as a decode of its own
+    position (the paged kernel, built here) and matmuls go through row_linear."""
+    from engine.kernels import paged_decode, row_linear
+
+    if not deterministic and (paged_decode.kernel() is None or row_linear.kernel() is None):
+        pytest.skip("default mode is bitwise only on Kev's own kernels, which this machine did not build")
     own, max_new, arrives, overrides = DETERMINISTIC[case]
     rng = random.Random(11)
     prefix = harness.random_prompt(rng, 150)
     victim = harness.Q("victim", prefix + harness.random_prompt(rng, 21), dict(max_new_tokens=10))
     first = harness.Q("first", prefix + harness.random_prompt(rng, own), dict(max_new_tokens=max_new))
-    overrides = dict(deterministic=True, **overrides)
+    overrides = dict(deterministic=deterministic, **overrides)
     off = harness.run_core(model, [victim], options(harness, False, **overrides))
     on = harness.run_core(model, [first], options(harness, True, **overrides), later={arrives: [victim]})
     assert on.answers["victim"].usage.cached_prompt_tokens == 144  # nine 16-token blocks of the prefix
