@@ -98,6 +98,10 @@ def test_bitwise_identical_when_neighbours_force_a_preemption(tiny_models, harne
     """A pool of 8 blocks for 5 questions needing 3 each: the ones preempted because of their
     neighbours recompute their cache, and must still draw from bitwise their solo logits. Default mode
     too: its rows attend as decodes (the paged kernel, built here) and its matmuls are row_linear's."""
+    from engine.kernels import paged_decode, row_linear
+
+    if not strict and (paged_decode.kernel() is None or row_linear.kernel() is None):
+        pytest.skip("default mode is bitwise only on Kev's own kernels, which this machine did not build")
     model = tiny_models["qwen2"].kev
     rng = random.Random(61)
     batch = [harness.Q(f"n{i}", harness.random_prompt(rng, rng.randint(1, 24)), dict(max_new_tokens=24))
