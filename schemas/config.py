@@ -109,8 +109,8 @@ class CoreConfig(_Section):
 class SchedulerConfig(_Section):
     batch_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 10.0
     max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048
-    # A prompt is computed in chunks that end only at multiples of this many positions (or at its end),
-    # whatever shares the step: its attention calls never depend on its neighbours. 0: cut anywhere.
+    # Where prompts attend by chunk-shaped calls (SDPA, flash-attn): chunks end only at multiples of this
+    # many positions (or the prompt's end), so their attention calls never depend on neighbours. 0: anywhere.
     prompt_chunk_tokens: Annotated[int, Meta(ge=0)] = 512
     policy: SchedulingPolicy = "fcfs"
     length_aware_grouping: bool = False
