@@ -25,6 +25,7 @@ use the SDPA path (engine/kernels/attention.py's _DecodeGroups).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import pathlib
 
@@ -87,7 +88,7 @@ class PagedDecodes:
         """Every row of every segment as a decode of its own position: row i of a chunk reads its question's
         first cached + i + 1 keys, in place. Deterministic mode attends prompt rows so (a row's arithmetic
         then depends on its own position and keys alone). Segments must cover the step's rows in order."""
-        assert [s.q_start for s in segments] == [sum(s.q_len for s in segments[:i]) for i in range(len(segments))]
+        assert [s.q_start for s in segments] == list(itertools.accumulate((s.q_len for s in segments[:-1]), initial=0))
         widest = max(len(s.block_ids) for s in segments)
         tables = torch.tensor([s.block_ids + s.block_ids[:1] * (widest - len(s.block_ids)) for s in segments],
                               dtype=torch.long)

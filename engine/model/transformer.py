@@ -81,6 +81,11 @@ class Transformer:
         self.mode = mode
         self.linear = mode.linear
 
+    @property
+    def matmul_kernel(self) -> str:
+        """row_linear or library: what multiplies this model's weights (core.matmul's verdict)."""
+        return self.matmul.kernel if self.matmul is not None else "library"
+
     def matrices(self) -> list:
         """Every weight matrix a forward multiplies by (tensors, or Int8Weight when quantised)."""
         per_layer = [getattr(layer, name) for layer in self.layers for name in MATRICES]

@@ -109,7 +109,7 @@ def _variant(model_name: str, name: str, count: int, seeded: int, max_new_tokens
     greedy = [q.question_id for q in asked if not q.question_id.endswith("-seeded")]
     sampled = [q.question_id for q in asked if q.question_id.endswith("-seeded")]
     return dict(variant=name, dtype=str(model.dtype).removeprefix("torch."), kv_dtype=kv_dtype,
-                matmul=model.weights.matmul.kernel if model.weights.matmul else "library",
+                matmul=model.weights.matmul_kernel,
                 greedy_same=sum(solo[q] == packed[q] for q in greedy), greedy=len(greedy),
                 seeded_same=sum(solo[q] == packed[q] for q in sampled), seeded=len(sampled))
 

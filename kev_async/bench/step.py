@@ -202,7 +202,7 @@ def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float,
 
     dtype = str(model.dtype).removeprefix("torch.")
     kv = "int8" if kv_dtype == "int8" else dtype
-    kernel = model.weights.matmul.kernel if getattr(model.weights, "matmul", None) else "library"
+    kernel = model.weights.matmul_kernel
     out(f"model {model.name} ({dtype}, {model.weight_format} weights, {kv} KV, matmul {kernel}), "
         f"{torch.get_num_threads()} threads, every row at ~{context} tokens of context, median of {steps} decode "
         f"steps; memory read {bandwidth / 1e9:.1f} GB/s")

@@ -79,11 +79,6 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
     return load_kwargs, option_kwargs
 
 
-def _matmul_kernel(model) -> str:
-    choice = getattr(model.weights, "matmul", None)
-    return choice.kernel if choice is not None else "library"
-
-
 class LoadRun:
     def __init__(self, args: argparse.Namespace, knobs: tuple[dict, dict], out=print):
         self.args, self.out = args, out
@@ -100,7 +95,7 @@ class LoadRun:
         self.hf = None
         result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(),
                   "torch_threads": torch.get_num_threads(), "model": self.model.name, "dtype": str(self.model.dtype),
-                  "engine_options": self.option_kwargs, "matmul": _matmul_kernel(self.model),
+                  "engine_options": self.option_kwargs, "matmul": self.model.weights.matmul_kernel,
                   "args": {k: v for k, v in vars(self.args).items() if k != "func"}, "points": [], "static_sweep": [],
                   "traces": [], "outcomes": []}
         self.out(f"model {self.model.name} ({self.model.dtype}, matmul {result['matmul']}), {result['cpu']}, "

@@ -37,8 +37,7 @@ def solo_reference(model, options, trace: list[TraceQuestion], cache_path: Path 
 def _reference_key(model, options, q: TraceQuestion) -> str:
     """Everything that decides a solo greedy answer: weights, precision, matmul kernel, prompt, budget."""
     knobs = {k: str(getattr(options, k)) for k in ("deterministic", "kv_dtype") if hasattr(options, k)}
-    choice = getattr(model.weights, "matmul", None)
-    knobs["matmul"] = choice.kernel if choice is not None else "library"
+    knobs["matmul"] = model.weights.matmul_kernel
     text = json.dumps([str(model.path.resolve()), str(model.dtype), getattr(model, "weight_format", "full"), knobs,
                        q.system, q.prompt, q.max_new_tokens])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
