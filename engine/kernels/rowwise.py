@@ -26,7 +26,6 @@ class RowwiseAttention:
 
     def __init__(self, kv: KVCache):
         self.kv = kv
-        self.paged = True
 
     @staticmethod
     def usable(kv: KVCache) -> bool:
