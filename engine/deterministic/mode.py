@@ -18,6 +18,7 @@ from engine.deterministic.attention import FixedTileAttention
 from engine.deterministic.lora import TiledLoraBatch
 from engine.deterministic.tiles import TileCheck, tiled_linear
 from engine.kernels.attention import TorchAttention
+from engine.kernels.row_linear import RowWeight
 from engine.kernels.rowwise import RowwiseAttention
 from engine.kv.cache import KVCache
 
@@ -32,6 +33,11 @@ class MathMode:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)
         return weight.linear(x, bias)
+
+    @staticmethod
+    def row_weight(matrix) -> RowWeight | None:
+        """The row_linear weight this mode multiplies `matrix` by, or None (another kernel)."""
+        return matrix if isinstance(matrix, RowWeight) else None
 
     def check(self, matrices: list) -> None:
         """Prove, before serving, that this CPU computes `matrices` as the mode promises."""
@@ -59,6 +65,10 @@ class DeterministicMode(MathMode):
         if row is not None:
             return row.linear(x, bias)
         return tiled_linear(x, weight, bias)
+
+    @staticmethod
+    def row_weight(matrix) -> RowWeight | None:
+        return rows.row_weight(matrix)
 
     def check(self, matrices: list) -> None:
         TileCheck.weights(rows.take(matrices))

@@ -2,7 +2,7 @@
 
 The library goes into torch's extension cache under a name keyed by the source, its compiler flags, the
 CPU's flags and torch's version, so an edit, other flags or a cache carried to another CPU compile anew;
-a later start imports the library directly. The paged decode and row_linear kernels are built here.
+a later start imports the library directly. Kev's CPU kernels are built here (engine/kernels/native.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 log = structlog.get_logger("kev.engine.extension")
 
 
-def build(stem: str, source: pathlib.Path, functions: list[str], cflags: tuple[str, ...]):
+def build(stem: str, sources: list[pathlib.Path], functions: list[str], cflags: tuple[str, ...]):
     """The compiled module `<stem>_<key>` exposing `functions`, or None where it cannot be built (no
-    compiler, no headers, flags this CPU or compiler refuses); the reason is logged."""
-    text = source.read_text()
+    compiler, no headers, flags this CPU or compiler refuses); the reason is logged. `sources` are
+    compiled as one translation unit, in order, so a later file calls an earlier one's functions."""
+    text = "\n".join(source.read_text() for source in sources)
     name = f"{stem}_{_build_key(text, cflags)}"
     try:
         return _import_built(name)

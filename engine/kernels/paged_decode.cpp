@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+namespace paged {
+
 // A vector of D values as fp32: bf16 and int8 are widened into a buffer, fp32 is read where it lies.
 template <typename T, int D>
 struct AsFloat {
@@ -327,10 +329,10 @@ static bool dispatch(const T* q, const C* k, const C* v, const at::Half* k_scale
   return false;
 }
 
-// k_scales, v_scales: [slots, KVH] fp16, for an int8 cache only.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
-                           torch::Tensor lengths, int64_t block_size, double scale,
-                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
+// Without the GIL: the caller (paged_decode below, or the layer stack) has released it.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& table,
+                     const torch::Tensor& lengths, int64_t block_size, double scale,
+                     const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
               lengths.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(2) == q.size(2),
@@ -363,7 +365,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   }
   auto out = torch::empty_like(q);
   bool done = false;
-  pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
   const at::Half* k_scales_p = int8 ? k_scales->data_ptr<at::Half>() : nullptr;
   const at::Half* v_scales_p = int8 ? v_scales->data_ptr<at::Half>() : nullptr;
   auto launch = [&](auto zero, auto cache_zero) {
@@ -379,4 +380,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   TORCH_CHECK(done, "paged_decode: no kernel for head size ", q.size(2), " with ", q.size(1), " heads over ",
               k.size(1), " KV heads");
   return out;
+}
+
+}  // namespace paged
+
+// k_scales, v_scales: [slots, KVH] fp16, for an int8 cache only.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                           torch::Tensor lengths, int64_t block_size, double scale,
+                           c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
+  return paged::attend(q, k, v, table, lengths, block_size, scale, k_scales, v_scales);
 }

@@ -16,44 +16,35 @@ An int8 cache is read as it is stored: each key's dot product with the query is 
 key's scale, and each softmax weight by its value's scale before it weighs the int8 value, so a step
 reads a quarter of fp32's bytes and never writes a dequantised copy.
 
-The C++ is compiled once per machine with the host's instruction set (`-march=native`), into torch's
-extension cache under a name keyed by this source, its compiler flags and the CPU's flags, so a cache carried to another
-CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0 when an engine is built, decodes
+The C++ is compiled once per machine with the host's instruction set (`-march=native`), with Kev's other
+CPU kernels (engine/kernels/native.py), into torch's extension cache under a name keyed by the sources,
+the compiler flags and the CPU's flags, so a cache carried to another CPU compiles anew. Without a compiler, or with KEV_PAGED_DECODE=0 when an engine is built, decodes
 use the SDPA path (engine/kernels/attention.py's _DecodeGroups).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
-import pathlib
 
 import torch
 
-from engine.kernels import extension
+from engine.kernels import native
 
-# The C++ source sits beside this file; its text is part of the build key, so an edit rebuilds it.
-_SOURCE_PATH = pathlib.Path(__file__).parent / "paged_decode.cpp"
-
-
-# -fno-trapping-math lets floor() vectorise in the softmax's exp; Kev never reads floating-point traps.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+_CFLAGS = native.CFLAGS
 
 
 def kernel():
     """The compiled `paged_decode` op, or None (no compiler, not Linux, or KEV_PAGED_DECODE=0)."""
     if os.environ.get("KEV_PAGED_DECODE", "1") == "0":
         return None
-    return compiled(tuple(_CFLAGS))
+    return compiled(_CFLAGS)
 
 
-@functools.cache
 def compiled(cflags: tuple[str, ...]):
-    """The op built with these compiler flags (the engine's are _CFLAGS; the tests also build one
-    without AVX-512, the path CPUs without it take), or None where it cannot be built (the SDPA path
-    works)."""
-    module = extension.build("kev_paged_decode", _SOURCE_PATH, ["paged_decode"], cflags)
+    """The op built with these compiler flags (the tests also build one without AVX-512, the path CPUs
+    without it take), or None where it cannot be built (the SDPA path works)."""
+    module = native.compiled(tuple(cflags))
     return module.paged_decode if module is not None else None
 
 

@@ -22,7 +22,7 @@
 #include <immintrin.h>  // declares every ISA's intrinsics; only the build's own are used
 #endif
 
-namespace {
+namespace row_kernels {
 
 constexpr int PANEL = 16;
 
@@ -302,10 +302,9 @@ void run(const Tile<X, W, Y>& t, int64_t rows, int64_t n, int64_t panel_count) {
   });
 }
 
-}  // namespace
-
 // x [M, K] (fp32 with fp32 weights; bf16 with bf16 weights, K even) times the packed weight of n outputs.
-torch::Tensor row_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+// Without the GIL: the caller (row_linear below, or the layer stack) has released it.
+torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.is_contiguous(), "row_linear: x [M, K] contiguous");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "row_linear: x and the weight must share a dtype");
   const int64_t rows = x.size(0), panel_count = packed.size(0);
@@ -316,7 +315,6 @@ torch::Tensor row_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   // bf16 rows widened to fp32 once here, not in every panel task.
   const torch::Tensor wide = x.scalar_type() == at::ScalarType::BFloat16 ? x.to(at::ScalarType::Float) : x;
 #endif
-  pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
   if (x.scalar_type() == at::ScalarType::Float) {
     TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == PANEL, "row_linear: fp32 layout");
     const int64_t k = x.size(1);
@@ -341,16 +339,25 @@ torch::Tensor row_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   return y;
 }
 
+}  // namespace row_kernels
+
+torch::Tensor row_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
+  return row_kernels::multiply(x, packed, n);
+}
+
 // The instruction set this build multiplies with: avx512-bf16, avx512, avx2 or plain.
-std::string row_linear_isa() { return Isa::name(); }
+std::string row_linear_isa() { return row_kernels::Isa::name(); }
 
 // transformers' RMSNorm in one call: per row, in fp32, x / sqrt(mean(x^2) + eps), then times the weight; for
 // bf16 rows the normalised value is rounded to bf16 before the product and the product again (transformers'
 // two roundings). The sum of squares runs left to right, so a row's result depends on that row alone. torch
 // needs several calls per norm (in bf16 ~8: to float, norm, back, multiply), which at a decode step's single
 // row cost more than the arithmetic; a step makes 61.
+namespace row_kernels {
+
 template <typename T>
-static void rms_norm_rows(const T* in, const T* w, T* out, int64_t rows, int64_t width, float epsilon) {
+void rms_norm_rows(const T* in, const T* w, T* out, int64_t rows, int64_t width, float epsilon) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = in + r * width;
@@ -370,7 +377,10 @@ static void rms_norm_rows(const T* in, const T* w, T* out, int64_t rows, int64_t
   });
 }
 
+}  // namespace row_kernels
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  using row_kernels::rms_norm_rows;
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: rows and weight of one dtype");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1, "rms_norm: contiguous");
   const int64_t width = weight.size(0);

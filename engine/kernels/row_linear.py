@@ -11,43 +11,36 @@ construction (tests/test_row_linear.py proves it on the running CPU).
 The weight is repacked once, at load, into panels of 16 output columns by K (bf16: by K/2 pairs of
 k), so a step reads each weight once whatever its row count, 16 columns per vector load.
 
-The C++ (row_linear.cpp) is compiled for the host (`-march=native`): AVX-512 (with or without
+The C++ (row_linear.cpp, built with Kev's other CPU kernels: engine/kernels/native.py) is compiled for
+the host (`-march=native`): AVX-512 (with or without
 AVX512_BF16), AVX2 or plain C++, chosen by what the compiler sees the CPU has. Paths differ from
 each other in the last bits, never within one build. KEV_ROW_LINEAR=0 declines the kernel.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import pathlib
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.extension import build
+from engine.kernels import native
+from engine.kernels.native import CFLAGS, NO_AVX512, PLAIN  # noqa: F401  (the builds tests compare)
 
 PANEL = 16  # output columns per panel: one AVX-512 vector of fp32
-SOURCE = pathlib.Path(__file__).parent / "row_linear.cpp"
-# -ffp-contract=off: the plain path's multiply and add stay two roundings wherever the compiler puts
-# them (the vector paths call fma by name).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
-NO_AVX512 = CFLAGS + ("-mno-avx512f",)  # what an AVX2 machine runs
-PLAIN = NO_AVX512 + ("-mno-avx2",)  # neither: the portable C++ path
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel():
-    """The module built for this CPU, or None (no compiler, or KEV_ROW_LINEAR=0)."""
+    """The module built for this CPU (engine/kernels/native.py), or None (no compiler, or KEV_ROW_LINEAR=0)."""
     if os.environ.get("KEV_ROW_LINEAR", "1") == "0":
         return None
-    return compiled(CFLAGS)
+    return native.module()
 
 
-@functools.cache
 def compiled(cflags: tuple[str, ...]):
     """The module built with these flags (tests also build NO_AVX512 and PLAIN), or None."""
-    return build("kev_row_linear", SOURCE, ["row_linear", "row_linear_isa", "rms_norm"], cflags)
+    return native.compiled(cflags)
 
 
 def usable(weight) -> bool:

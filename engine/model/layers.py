@@ -29,6 +29,17 @@ def _row_kernels(x: torch.Tensor, weight: torch.Tensor):
     return row_linear.kernel()
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up], each rounded to the rows' dtype as transformers rounds. On a
+    CPU in one call of Kev's own kernel, the one its layer stack uses (its exp is its own, so a value can
+    differ from torch's silu in the last bit); elsewhere torch's ops."""
+    module = _row_kernels(gate_up, gate_up)
+    if module is not None:
+        return module.silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated, for apply_rope: rotate_half(x) * sin == roll(x) * signed_sin
     bit for bit, since a product's sign flips exactly."""

@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine.deterministic.mode import FAST, MathMode
 from engine.kernels import matmul
+from engine.kernels.layer_stack import LayerStack
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
 from engine.kernels.row_linear import RowWeight
-from engine.model.layers import apply_rope, embed, rms_norm, signed_sin
+from engine.model.layers import apply_rope, embed, rms_norm, signed_sin, swiglu
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,6 +72,7 @@ class Transformer:
         self.cos, self.sin_signed = rope[0], signed_sin(rope[1])  # the plain sine is not needed after this
         self.matmul: matmul.MatmulChoice | None = None  # set by from_state_dict: which kernel multiplies
         self.mode, self.linear = mode, mode.linear  # from_state_dict checks the weights it ends with: use()
+        self.stack: LayerStack | None = None
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
@@ -80,6 +81,7 @@ class Transformer:
         mode.check(self.matrices())
         self.mode = mode
         self.linear = mode.linear
+        self.stack = LayerStack.build(self)  # None where part of a layer must run in Python
 
     @property
     def matmul_kernel(self) -> str:
@@ -175,8 +177,10 @@ class Transformer:
 
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
-        cos, sin_signed = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
         hidden = embed(self.embed, input_ids)
+        if lora is None and self.stack is not None and self.stack.runs(attend):
+            return self.stack.forward(hidden, positions, attend)  # the same bits, without Python per layer
+        cos, sin_signed = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
         for index, layer in enumerate(self.layers):
             hidden = hidden + self._attention(index, layer, hidden, cos, sin_signed, attend, lora)
             hidden = hidden + self._mlp(index, layer, hidden, lora)
@@ -208,8 +212,8 @@ class Transformer:
 
     def _mlp(self, index, layer: LayerWeights, hidden, lora) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_norm, self.spec.rms_norm_eps)
-        gate, up = self._project(x, layer.gate_up, lora, index, "gate_up").chunk(2, dim=-1)
-        return self._project(F.silu(gate) * up, layer.down, lora, index, "down")
+        gate_up = self._project(x, layer.gate_up, lora, index, "gate_up")
+        return self._project(swiglu(gate_up), layer.down, lora, index, "down")
 
 
 def _layer(spec, get, prefix: str) -> LayerWeights:
