@@ -84,8 +84,10 @@ class PagedDecodes:
         tables = torch.tensor([s.block_ids + s.block_ids[:1] * (widest - len(s.block_ids)) for s in segments],
                               dtype=torch.long)
         rows = cls.__new__(cls)
-        rows.table = tables.repeat_interleave(torch.tensor([s.q_len for s in segments]), dim=0)
-        rows.lengths = torch.cat([torch.arange(s.cached + 1, s.kv_len + 1) for s in segments])
+        counts = [s.q_len for s in segments]
+        # A decode step (one row each) needs no repeat: ~0.1 ms of a step that takes a few.
+        rows.table = tables if max(counts) == 1 else tables.repeat_interleave(torch.tensor(counts), dim=0)
+        rows.lengths = torch.tensor([n for s in segments for n in range(s.cached + 1, s.kv_len + 1)], dtype=torch.long)
         rows.rows, rows.block_size, rows.op = None, block_size, kernel()
         return rows
 
