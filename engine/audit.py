@@ -1,16 +1,29 @@
-"""The isolation audit: what each forward packed, and a cheap check that no two questions touched."""
+"""The isolation audit: what each forward packed, and a cheap check that no two questions touched.
+
+With speculative decoding on, a question's segments also carry where its drafts came from (`draft`),
+how its last one fared (`verified`), and one keyed digest per row of the token that row fed
+(`token_digests`), so `kev audit check` can re-derive each question's own token history from the log
+and check every prompt-lookup draft against it (docs/speculative.md, "What the audit proves").
+"""
 
 from __future__ import annotations
+
+import hashlib
+import os
 
 from engine.kernels.attention import Segment
 
 CHAIN_HEX = 16  # hex digits of a block hash kept in a record: 64 bits, plenty to tell prefixes apart
+DIGEST_BYTES = 6  # a token digest: 48 bits, so two different tokens look alike once in 2**48 comparisons
+# Token digests are keyed per question from a secret that never leaves the process: the log can be
+# checked for equalities within one question without showing which tokens they are.
+_SECRET = os.urandom(16)
 
 
-def per_question(owners: list, segments: list[Segment]) -> tuple[list, list[Segment], list[int]]:
+def per_question(owners: list, segments: list[Segment]) -> tuple[list, list[Segment], list[DraftNotes]]:
     """The forward's segments one per chunk: a drafting chunk's single-row verify segments (the runner
     gives each row its own, engine/model/runner.py) become one, as the question's rows are one run.
-    Returns (chunks, segments, draft rows of each)."""
+    Returns (chunks, segments, what each adds about speculative decoding)."""
     chunks: list = []
     merged: list[Segment] = []
     for chunk, seg in zip(owners, segments):
@@ -20,18 +33,57 @@ def per_question(owners: list, segments: list[Segment]) -> tuple[list, list[Segm
         else:
             chunks.append(chunk)
             merged.append(seg)
-    return chunks, merged, [len(chunk.draft) for chunk in chunks]
+    return chunks, merged, [DraftNotes(chunk) for chunk in chunks]
+
+
+class DraftNotes:
+    """What one chunk's segment records about speculative decoding (nothing when its question cannot draft)."""
+
+    def __init__(self, chunk) -> None:
+        self.chunk = chunk
+
+    def fields(self) -> dict:
+        chunk, seq = self.chunk, self.chunk.seq
+        out: dict = {}
+        if chunk.draft:
+            out["draft_rows"] = len(chunk.draft)
+            out["draft"] = {**(seq.draft_origin or {"method": "unknown"}), "tokens": len(chunk.draft)}
+        if seq.verified is not None:
+            drafted, accepted = seq.verified
+            out["verified"] = {"drafted": drafted, "accepted": accepted, "rejected": drafted - accepted}
+        if seq.speculative:  # its rows' tokens are the history its later drafts must be copied from
+            key = question_key(seq.question_id)
+            out["token_digests"] = token_digests(key, chunk.token_ids)
+            if 0 < chunk.start == seq.admitted_from:  # positions read from the prefix cache, never rows of its own
+                out["context_digests"] = token_digests(key, seq.token_ids[: chunk.start])
+        return out
+
+
+def question_key(question_id: str) -> bytes:
+    return hashlib.blake2b(question_id.encode(), key=_SECRET, digest_size=16).digest()
+
+
+def token_digests(key: bytes, tokens) -> list[str]:
+    """One keyed digest per token: equal tokens of one question give equal digests, nothing more is shown."""
+    base = hashlib.blake2b(key=key, digest_size=DIGEST_BYTES)
+    out = []
+    for token in tokens:
+        h = base.copy()
+        h.update(int(token).to_bytes(4, "little"))
+        out.append(h.hexdigest())
+    return out
 
 
 def forward_summary(step: int, question_ids: list[str], segments: list[Segment], block_size: int,
                     routing: bool = False, prefixes: list[list[bytes]] | None = None,
-                    drafts: list[int] | None = None) -> dict:
+                    drafts: list | None = None) -> dict:
     """One `forward.mask` record: per question its rows, positions, kv length and blocks.
 
     `prefixes[i]`: the hash chain of segment i's leading cached (read-only, shareable) blocks; a
     segment with one gets `shared_prefix_len` (tokens) and `prefix_chain` (short hashes).
-    `drafts[i]`: speculative draft rows at the end of segment i; a segment with any gets `draft_rows`
-    (its next forward may start up to that many positions before this one's kv_len: rejected drafts).
+    `drafts[i]`: segment i's DraftNotes (or its number of draft rows): a segment with drafts gets
+    `draft_rows` (its next forward may start up to that many positions before this one's kv_len:
+    rejected drafts) and `draft` (method, tokens, origin); see DraftNotes for the rest.
     """
     record = {
         "forward": step,
@@ -48,9 +100,11 @@ def forward_summary(step: int, question_ids: list[str], segments: list[Segment],
             for qid, seg in zip(question_ids, segments)
         ],
     }
-    for seg, rows in zip(record["segments"], drafts or ()):
-        if rows:
-            seg["draft_rows"] = rows
+    for seg, notes in zip(record["segments"], drafts or ()):
+        if isinstance(notes, DraftNotes):
+            seg.update(notes.fields())
+        elif notes:
+            seg["draft_rows"] = notes
     for seg, chain in zip(record["segments"], prefixes or ()):
         if chain:
             seg["shared_prefix_len"] = len(chain) * block_size
@@ -93,7 +147,7 @@ def violations(record: dict) -> list[str]:
         problems += _block_problems(seg, record["block_size"], owners, shared)
     if next_row != record["tokens"]:
         problems.append(f"segments cover {next_row} rows of {record['tokens']}")
-    return problems
+    return problems + draft_violations(record)
 
 
 def _block_problems(seg: dict, block_size: int, owners: dict, shared: dict) -> list[str]:
@@ -112,4 +166,53 @@ def _block_problems(seg: dict, block_size: int, owners: dict, shared: dict) -> l
         elif owners.setdefault(block, qid) != qid or block in shared:
             other = owners[block] if owners[block] != qid else shared[block][2]
             problems.append(f"block {block} is held by both {other} and {qid}")
+    return problems
+
+
+def draft_violations(record: dict) -> list[str]:
+    """What one record alone shows wrong about drafts: a draft whose origin is missing or impossible (a
+    lookup source past the question's own tokens, a draft model fed other than all of them), a draft
+    model's cache block held for two questions, more tokens accepted than drafted. Whether each lookup
+    draft equals the question's own tokens at its source needs its earlier records: kev audit check."""
+    problems: list[str] = []
+    holders: dict[int, str] = {}  # draft model cache block -> question drafting from it in this forward
+    for seg in record["segments"]:
+        qid, rows = seg["question_id"], seg["rows"][1] - seg["rows"][0]
+        digests = seg.get("token_digests")
+        if digests is not None and len(digests) != rows:
+            problems.append(f"{qid}: {len(digests)} token digests for {rows} rows")
+        verified = seg.get("verified")
+        if verified is not None and not 0 <= verified["accepted"] <= verified["drafted"]:
+            problems.append(f"{qid}: {verified['accepted']} draft tokens accepted of {verified['drafted']} drafted")
+        if "draft" in seg:
+            problems += _origin_problems(qid, seg, rows, record["block_size"], holders)
+    return problems
+
+
+def _origin_problems(qid: str, seg: dict, rows: int, block_size: int, holders: dict[int, str]) -> list[str]:
+    draft, known = seg["draft"], seg["positions"][0] + 1  # its tokens when it drafted: up to its last one
+    method, tokens = draft.get("method"), draft.get("tokens", 0)
+    problems = []
+    if tokens != seg.get("draft_rows") or rows != tokens + 1:
+        problems.append(f"{qid}: {tokens} draft tokens in {rows} rows (draft_rows {seg.get('draft_rows')})")
+    if method == "ngram":
+        source, match = draft.get("source"), draft.get("match")
+        if not isinstance(source, int) or not isinstance(match, int) or match < 1:
+            problems.append(f"{qid}: ngram draft without its source and match length")
+        elif source - match < 0 or source + tokens > known:
+            problems.append(f"{qid}: ngram draft copied from positions {source}..{source + tokens} after a "
+                            f"{match}-token match, outside its own {known} tokens")
+    elif method == "draft_model":
+        context, kept, blocks = draft.get("context"), draft.get("kept", 0), draft.get("blocks") or []
+        if context != known:
+            problems.append(f"{qid}: draft model fed {context} tokens, but the question had {known}")
+        elif not 0 <= kept <= context:
+            problems.append(f"{qid}: draft model kept {kept} of {context} tokens")
+        if len(blocks) * block_size < (context or 0) + tokens - 1:
+            problems.append(f"{qid}: draft model's {len(blocks)} blocks cannot hold {context} + {tokens - 1} tokens")
+        for block in blocks:
+            if holders.setdefault(block, qid) != qid:
+                problems.append(f"draft model block {block} is held for both {holders[block]} and {qid}")
+    else:
+        problems.append(f"{qid}: drafter {method!r} records no origin for its draft")
     return problems

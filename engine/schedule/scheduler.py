@@ -50,6 +50,8 @@ class Scheduler(Speculation):
         self.cached_tokens_admitted = 0
         self.num_draft_tokens = 0  # verified in forwards
         self.num_accepted_draft_tokens = 0  # of those, emitted
+        self.num_draft_verifications = 0  # question-forwards that verified a draft
+        self.num_question_steps = 0  # question-forwards that emitted tokens (1 each, or 1 + kept drafts)
         self.step_costs = None  # policy auto: engine.speculate.cost.StepCosts, measured by the engine at start
         self._step_drafts: dict[str, tuple[int, ...]] = {}  # this step's drafts, by question id
 
@@ -73,6 +75,8 @@ class Scheduler(Speculation):
         if self.limits.overflow != "wait" and not self.has_room():  # under "wait" the submitter is the bound
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} questions)")
         seq.status = Status.WAITING
+        # The audit digests the tokens of a question that may draft: its drafts' sources (engine/audit.py).
+        seq.speculative = self.drafter is not None and seq.constraint is None
         self.waiting.append(seq)
 
     def cancel(self, question_id: str) -> bool:
@@ -119,6 +123,7 @@ class Scheduler(Speculation):
         for chunk in plan.chunks:
             seq = chunk.seq
             drawn = [next(tokens) for _ in range(chunk.num_sample_rows)]
+            seq.verified = None  # this forward's audit record carried it
             if chunk.draft:
                 self._verify(chunk, drawn, len(plan.chunks), new_tokens)
                 continue
@@ -135,6 +140,7 @@ class Scheduler(Speculation):
         return new_tokens
 
     def _stepped(self, seq: Sequence, batch_size: int) -> None:
+        self.num_question_steps += 1
         seq.steps += 1
         seq.batch_sizes.append(batch_size)
 
@@ -255,6 +261,7 @@ class Scheduler(Speculation):
         if not self.pool.grow(seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
             raise RuntimeError(f"{seq.question_id}: the pool refused blocks it said it had")
         seq.num_registered = len(cached)
+        seq.admitted_from = seq.num_computed_tokens
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
         seq.channel = heapq.heappop(self._free_channels)

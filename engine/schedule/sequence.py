@@ -99,6 +99,12 @@ class Sequence:
     accepted_draft_tokens: int = 0  # of those, the ones it emitted (the model agreed with them)
     draft_hits: float = 0.0  # policy auto: kept draft tokens, fading (engine/speculate/cost.py)
     draft_trials: float = 0.0  # policy auto: kept draft tokens plus each draft's first rejected one, fading
+    # The isolation audit (engine/audit.py): whether its rows' tokens are digested (it may draft), where its
+    # current draft came from, and (drafted, accepted) of its last verified draft until its next forward.
+    speculative: bool = False
+    admitted_from: int = 0  # its first position at its latest admission: tokens before it came from the cache
+    draft_origin: dict | None = None
+    verified: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -12,7 +12,16 @@ from engine.schedule.prefix_chain import name_filled_blocks
 from engine.schedule.sequence import Sequence
 from engine.schedule.step_plan import Chunk
 from engine.speculate.cost import draft_lengths
-from engine.speculate.drafts import accepted_length, can_draft, draft_rate, draft_room, is_model, propose, record
+from engine.speculate.drafts import (
+    accepted_length,
+    can_draft,
+    draft_rate,
+    draft_room,
+    drafter_method,
+    is_model,
+    propose,
+    record,
+)
 
 
 class Speculation:
@@ -22,6 +31,7 @@ class Speculation:
         Room counts one token of the step's budget for every other running question; the chunks
         then trim each draft to what the budget and the pool really leave (`_draft`)."""
         self._step_drafts: dict[str, tuple[int, ...]] = {}
+        self._step_origins: dict[str, dict] = {}  # where each draft came from, for the audit
         if self.drafter is None:
             return
         budget = self.limits.max_tokens_per_step - (len(self.running) - 1)
@@ -32,8 +42,9 @@ class Speculation:
         if model:
             offers = [(seq, min(room, self.drafter.max_draft_tokens)) for seq, room in offers]
         else:  # a lookup proposes for free: the policy then takes as much of it as pays
-            offers = [(seq, propose(self.drafter, seq, room)) for seq, room in offers]
-            offers = [(seq, draft) for seq, draft in offers if draft]
+            proposed = [(seq, propose(self.drafter, seq, room)) for seq, room in offers]
+            offers = [(seq, draft) for seq, (draft, _) in proposed if draft]
+            self._step_origins = {seq.question_id: origin for seq, (draft, origin) in proposed if draft}
         if not offers:
             return
         most = [room for _, room in offers] if model else [len(draft) for _, draft in offers]
@@ -42,6 +53,8 @@ class Speculation:
             asks = [(seq.question_id, seq.token_ids, k) for (seq, _), k in zip(offers, lengths) if k]
             drafts = self.drafter.draft_batch(asks) if asks else []
             self._step_drafts = {qid: tuple(d) for (qid, _, _), d in zip(asks, drafts) if d}
+            self._step_origins = {qid: self.drafter.origin(qid, len(tokens)) for qid, tokens, _ in asks
+                                  if qid in self._step_drafts}
         else:
             self._step_drafts = {seq.question_id: draft[:k] for (seq, draft), k in zip(offers, lengths) if k}
 
@@ -67,7 +80,13 @@ class Speculation:
         draft = draft[: max(0, room)]
         if not draft or not self.pool.grow(seq.question_id, seq.block_ids, seq.num_tokens + len(draft)):
             return ()
+        seq.draft_origin = self._step_origins.get(seq.question_id)
         return draft
+
+    @property
+    def speculative_method(self) -> str | None:
+        """The drafter's name (ngram, draft_model); None without speculative decoding."""
+        return None if self.drafter is None else drafter_method(self.drafter)
 
     def _drafts_done(self, seq: Sequence) -> None:
         """A question ended: a model drafter frees what it kept for it."""
@@ -85,7 +104,9 @@ class Speculation:
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, drawn)
         record(seq, len(draft), accepted)
+        seq.verified = (len(draft), accepted)  # the audit's record of its next forward says so
         self.num_draft_tokens += len(draft)
+        self.num_draft_verifications += 1
         seq.drafted_tokens += len(draft)
         seq.num_computed_tokens += 1  # its last token, whatever the drafts
         self.pool.shrink(seq.question_id, seq.block_ids, seq.num_computed_tokens + accepted)

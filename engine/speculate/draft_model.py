@@ -34,6 +34,7 @@ class _Held:
 
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    kept: int = 0  # at its last draft: tokens whose K/V it still held from before (the rest it computed then)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class _Ask:
 
 
 class DraftModel:
+    method = "draft_model"  # the metrics' and the audit's name for it
+
     def __init__(self, weights, spec, device: torch.device, dtype: torch.dtype, max_draft_tokens: int,
                  capacity_tokens: int, block_size: int, name: str):
         self.weights = weights
@@ -85,6 +88,7 @@ class DraftModel:
         while same < limit and held.tokens[same] == tokens[same]:
             same += 1
         del held.tokens[same:]  # rejected drafts, and anything after them, are forgotten
+        held.kept = same
         # Room for its tokens and the drafts fed back (the last draft is drawn, never fed).
         if not self._grow(held, len(tokens) + k - 1, drafting):
             return None
@@ -116,6 +120,12 @@ class DraftModel:
         for _ in range(max(0, needed)):
             held.blocks.append(self.free.pop())
         return True
+
+    def origin(self, question_id: str, context: int) -> dict:
+        """For the audit: what its last draft for the question read (`context` of the question's own tokens,
+        `kept` of them from K/V it already held) and the blocks of its own cache that hold them."""
+        held = self.held.get(question_id) or _Held()
+        return {"method": self.method, "context": context, "kept": held.kept, "blocks": list(held.blocks)}
 
     def forget(self, question_id: str) -> None:
         """The question ended (or its cache is needed elsewhere): its blocks go back."""

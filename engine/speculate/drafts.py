@@ -24,11 +24,22 @@ def draft_room(seq: Sequence, budget: int, max_tokens_per_question: int) -> int:
     return max(0, min(budget - 1, left_to_answer, left_in_context))
 
 
-def propose(drafter, seq: Sequence, room: int) -> tuple[int, ...]:
-    """A lookup drafter's drafts from the question's own tokens (prompt + output so far) and nothing else."""
+def propose(drafter, seq: Sequence, room: int) -> tuple[tuple[int, ...], dict]:
+    """A lookup drafter's drafts from the question's own tokens (prompt + output so far) and nothing else,
+    and their origin for the audit: where in those tokens the draft was copied from (`source`, after a
+    match of `match` tokens), when the drafter says (NgramDrafter.propose_at)."""
     if room <= 0:
-        return ()
-    return tuple(drafter.propose(seq.token_ids, room))
+        return (), {}
+    method = drafter_method(drafter)
+    if hasattr(drafter, "propose_at"):
+        draft, source, match = drafter.propose_at(seq.token_ids, room)
+        return tuple(draft), {"method": method, "source": source, "match": match}
+    return tuple(drafter.propose(seq.token_ids, room)), {"method": method}
+
+
+def drafter_method(drafter) -> str:
+    """Its name in metrics and the audit: ngram, draft_model, or a drafter's class name."""
+    return getattr(drafter, "method", type(drafter).__name__)
 
 
 def is_model(drafter) -> bool:

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kev_async.observe.draft_provenance import DraftLedger
+
 AUDIT_EVENTS = ("forward.mask", "forward.isolation_violation")
 
 
@@ -121,6 +123,7 @@ class CheckReport:
     max_batch: int = 0
     max_batch_forward: str = ""
     restarts: int = 0  # questions that began again at position 0 (preempted and recomputed)
+    drafts: DraftLedger = field(default_factory=DraftLedger)  # speculative decoding's drafts, re-checked
     problems: list[tuple[str, str]] = field(default_factory=list)  # (where, what)
 
     @property
@@ -132,7 +135,8 @@ def check_log(log: AuditLog) -> CheckReport:
     """Re-verify every record (engine.audit.violations), then what that per-record check leaves out:
     a block held by two questions in one forward (read-only shared-prefix blocks excepted), a question
     in two segments, and each question's positions continuing from where its previous forward left
-    them (or restarting at 0 after a preemption)."""
+    them (or restarting at 0 after a preemption); with speculative decoding, that every draft came from
+    its own question's tokens (observe/draft_provenance.py)."""
     from engine.audit import violations  # imports torch: only when checking, not on every `kev` start
 
     report = CheckReport(forwards=len(log.records), runs=log.runs)
@@ -183,6 +187,7 @@ def check_log(log: AuditLog) -> CheckReport:
                 found.append(f"{qid}: first seen at position {start}, not 0 (its earlier positions were "
                              f"never computed)")
             last_end[key] = (seg["kv_len"], where, seg.get("draft_rows") or 0)
+            found += report.drafts.check(rec.run, seg, where, rec.run in from_start, data["block_size"])
         for problem in dict.fromkeys(found):  # keep order, drop duplicates
             report.problems.append((where, problem))
     report.questions = len(questions)
@@ -196,11 +201,16 @@ def format_report(path: str, log: AuditLog, report: CheckReport) -> str:
              f"  tokens:     {report.tokens} (rows computed over all forwards)",
              f"  max batch:  {report.max_batch} questions ({report.max_batch_forward})",
              f"  restarts:   {report.restarts} (questions recomputed from position 0 after preemption)"]
+    drafts = report.drafts
+    if drafts.drafts:
+        lines.append(f"  drafts:     {drafts.summary()}")
     skipped = log.not_json + log.other_events
     if skipped:
         lines.append(f"  skipped:    {skipped} lines ({log.not_json} not JSON, {log.other_events} other events)")
     if report.clean:
-        lines.append("OK: every forward keeps its questions isolated")
+        lines.append("OK: every forward keeps its questions isolated"
+                     + (", and every draft came from its own question" if drafts.drafts and drafts.all_proven
+                        else ", and every draft's recorded origin is its own question" if drafts.drafts else ""))
     else:
         lines.append(f"VIOLATIONS: {len(report.problems)}")
         lines += [f"  {where}: {what}" for where, what in report.problems]
