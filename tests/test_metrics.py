@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -71,14 +72,15 @@ def value(scraped: dict, name: str, **labels: str) -> float:
     return sum(found)
 
 
-def inbound(i: int) -> Inbound:
+def inbound(i: int, prompt: str | None = None, max_new_tokens: int | None = None) -> Inbound:
     question = QuestionEvent(question_id=f"q{i}", request_id=f"r{i}", tenant="acme",
-                             prompt=f"{SECRET}: tell me about otters, part {i}.",
-                             params=Params(max_new_tokens=3 + i, temperature=0))
+                             prompt=prompt or f"{SECRET}: tell me about otters, part {i}.",
+                             params=Params(max_new_tokens=max_new_tokens or 3 + i, temperature=0))
     return Inbound(question, "kev.questions", i % 2, 100 + i, time.monotonic())
 
 
-async def run_workload(model, metrics: Metrics, count: int, port: int, on_idle=None) -> list[AnswerEvent]:
+async def run_workload(model, metrics: Metrics, count: int, port: int, on_idle=None, options=OPTIONS,
+                       prompt: str | None = None, max_new_tokens: int | None = None) -> list[AnswerEvent]:
     """`count` questions through the engine actor (wired as `serve` wires it); `on_idle()` runs once every
     answer is out and the engine is still up."""
     questions, answers = Mailbox("engine.questions", 16), Mailbox("engine.answers", 16)
@@ -87,9 +89,9 @@ async def run_workload(model, metrics: Metrics, count: int, port: int, on_idle=N
     with anyio.fail_after(60):
         async with metrics.endpoint(port), anyio.create_task_group() as tg:
             await tg.start(partial(engine_actor, questions.receive, answers.send, wrap=metrics.wrap(Outbound),
-                                   engine_factory=lambda: metrics.watch_engine(Engine(model, OPTIONS))))
+                                   engine_factory=lambda: metrics.watch_engine(Engine(model, options))))
             for i in range(count):
-                await questions.send.send(inbound(i))
+                await questions.send.send(inbound(i, prompt, max_new_tokens))
             async for outbound in answers.receive:
                 assert isinstance(outbound, Outbound) and outbound.source.offset >= 100
                 got.append(outbound.event)
@@ -136,6 +138,12 @@ async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     assert value(scraped, "kev_running_questions") == value(scraped, "kev_waiting_questions") == 0
     assert value(scraped, "kev_preemptions_total") == 0
     assert value(scraped, "kev_draft_tokens_total") == value(scraped, "kev_accepted_draft_tokens_total") == 0  # off
+    for method in ("ngram", "draft_model"):  # every drafter's series, at 0, and no acceptance rate without drafts
+        assert value(scraped, "kev_speculative_draft_tokens_total", method=method) == 0
+    assert not [n for n, _ in scraped if n == "kev_speculative_acceptance_rate"]
+    assert value(scraped, "kev_question_steps_total") == completion  # one token per question per forward
+    assert value(scraped, "kev_tokens_per_question_step") == 1.0
+    assert value(scraped, "kev_tokens_per_step") == pytest.approx(completion / forwards)
     assert {dict(ls)["mailbox"] for n, ls in scraped if n == "kev_mailbox_depth"} == {"engine.questions",
                                                                                        "engine.answers"}
     assert not [n for n, _ in scraped if n == "kev_errors_total"]  # no error code seen, so no series
@@ -148,6 +156,43 @@ async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     assert f"generated {completion} " in frame, frame
     assert f"length {count}" in frame, frame
     assert "engine.questions 0/16" in frame, frame
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_speculative_metrics_per_drafter_on_the_endpoint(model):
+    """Prompt lookup on long answers: drafted and accepted tokens under method="ngram"
+    equal the unlabelled totals and the answers' own counts; tokens per question-forward exceed 1 as
+    drafts are kept."""
+    options = dataclasses.replace(OPTIONS, speculative="ngram", speculative_policy="always")
+    metrics, port, count = Metrics(), free_port(), 4
+    seen = {}
+
+    async def on_idle():
+        seen["body"] = (await http_get(port))[2]
+
+    prompt = "red green blue yellow " * 6
+    # Long answers: this random-weight model falls into loops that prompt lookup then drafts from.
+    answers = await run_workload(model, metrics, count, port, on_idle, options=options, prompt=prompt,
+                                 max_new_tokens=OPTIONS.max_context - 64)
+    scraped = samples(seen["body"])
+    drafted = sum(a.audit.drafted_tokens for a in answers)
+    kept = sum(a.usage.accepted_draft_tokens for a in answers)
+    completion = sum(a.usage.completion_tokens for a in answers)
+    assert drafted > 0 and kept > 0
+    assert value(scraped, "kev_speculative_draft_tokens_total", method="ngram") == drafted
+    assert value(scraped, "kev_draft_tokens_total") == drafted  # the unlabelled total, as before
+    assert value(scraped, "kev_speculative_accepted_tokens_total", method="ngram") == kept
+    assert value(scraped, "kev_accepted_draft_tokens_total") == kept
+    assert value(scraped, "kev_speculative_draft_tokens_total", method="draft_model") == 0
+    assert value(scraped, "kev_speculative_acceptance_rate", method="ngram") == pytest.approx(kept / drafted)
+    assert not [ls for n, ls in scraped if n == "kev_speculative_acceptance_rate" and dict(ls)["method"] == "draft_model"]
+    verifications = value(scraped, "kev_speculative_verifications_total", method="ngram")
+    steps = value(scraped, "kev_question_steps_total")
+    assert 0 < verifications <= steps
+    assert steps == completion - kept  # each question-forward emits 1 token plus the drafts it kept
+    assert value(scraped, "kev_tokens_per_question_step") == pytest.approx(completion / steps)
+    assert completion / steps > 1
+    assert value(scraped, "kev_tokens_per_step") == pytest.approx(completion / value(scraped, "kev_forwards_total"))
 
 
 @pytest.mark.parametrize("log_prompts", [False, True])

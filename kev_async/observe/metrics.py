@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
+from kev_async.observe.speculative_metrics import speculative_counts, speculative_families
 from kev_async.observe.structured_metrics import STRUCTURED_COUNTERS, structured_counts
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
@@ -175,6 +176,7 @@ class _LiveCollector:
     def __init__(self) -> None:
         self.engine = None
         self.retired = dict.fromkeys(_COUNTERS, 0)  # from engines a restart replaced
+        self.retired_speculative: dict[tuple[str, str], float] = {}  # the same, per drafter
         self.mailboxes: tuple[Mailbox, ...] = ()
         self.kafka = None
         self.lag: dict[tuple[str, int], int] = {}  # (topic, partition) -> records behind, at the last scrape
@@ -183,6 +185,8 @@ class _LiveCollector:
         if self.engine is not None:  # counters continue across a scheduler restart
             for key, value in _engine_counts(self.engine.core).items():
                 self.retired[key] += value
+            for key, value in speculative_counts(self.engine.core).items():
+                self.retired_speculative[key] = self.retired_speculative.get(key, 0) + value
         self.engine = engine
 
     def healthy(self) -> bool:
@@ -209,6 +213,9 @@ class _LiveCollector:
         counts = _engine_counts(core) if core is not None else dict.fromkeys(self.retired, 0)
         for key, (name, text) in _COUNTERS.items():
             yield CounterMetricFamily(name, text, value=self.retired[key] + counts[key])
+        drafts = {key: self.retired_speculative.get(key, 0) + value for key, value in speculative_counts(core).items()}
+        total = {key: self.retired[key] + counts[key] for key in ("generated", "forwards", "question_steps")}
+        yield from speculative_families(drafts, total["generated"], total["forwards"], total["question_steps"])
         gauges = {}
         if core is not None:
             scheduler, pool = core.scheduler, core.pool
@@ -277,6 +284,8 @@ class _LiveCollector:
 _COUNTERS = {
     "generated": ("kev_generated_tokens", "Tokens generated."),
     "forwards": ("kev_forwards", "Packed forward passes."),
+    "question_steps": ("kev_question_steps", "Forwards counted once per question that emitted tokens in them; "
+                       "kev_generated_tokens over it: tokens per question per forward (speculative.md)."),
     "preemptions": ("kev_preemptions", "Questions preempted for KV room."),
     "draft_tokens": ("kev_draft_tokens", "Speculative draft tokens verified in forwards (speculative.method)."),
     "accepted_draft_tokens": ("kev_accepted_draft_tokens", "Speculative draft tokens the model agreed with and "
@@ -287,5 +296,6 @@ _COUNTERS = {
 
 def _engine_counts(core) -> dict[str, float]:
     return {"generated": core.num_generated, "forwards": core.num_forwards,
+            "question_steps": core.scheduler.num_question_steps,
             "preemptions": core.scheduler.num_preemptions, "draft_tokens": core.scheduler.num_draft_tokens,
             "accepted_draft_tokens": core.scheduler.num_accepted_draft_tokens, **structured_counts(core.constraints)}
