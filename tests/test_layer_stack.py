@@ -38,12 +38,16 @@ def _run(harness, model, questions, *, stack: bool, **options):
     return harness.run_core(model, questions, core=core), calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_stack_gives_every_row_the_python_forwards_bits(tiny_models, harness, dtype):
+@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                        (torch.bfloat16, True)], ids=["fp32", "bf16", "int8-fp32", "int8-bf16"])
+def test_the_stack_gives_every_row_the_python_forwards_bits(tiny_models, harness, dtype, int8):
     """Packed questions, prompts cut into chunks beside decodes, greedy and seeded: the same logits bit for
-    bit through the stack and through the Python forward, on every tiny architecture (biases, q/k norms)."""
+    bit through the stack and through the Python forward, on every tiny architecture (biases, q/k norms),
+    with full and int8 weights."""
     for kind, tiny in tiny_models.items():
         model = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=dtype)
+        if int8:
+            model.weights.quantize_int8()
         questions = _questions(harness, seed=len(kind))
         fused, calls = _run(harness, model, questions, stack=True, max_tokens_per_step=48)
         python, _ = _run(harness, model, questions, stack=False, max_tokens_per_step=48)

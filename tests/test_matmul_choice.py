@@ -49,29 +49,53 @@ def test_row_linear_models_answer_as_the_library_does(tiny_models, harness):
 
 
 @needs_kernel
-def test_a_row_linear_model_can_still_be_quantised(tiny_models, harness):
+def test_a_row_linear_model_quantises_into_row_linears_int8_panels(tiny_models, harness):
     from conftest import kev_model_from_hf
 
     tiny = tiny_models["qwen2"]
     model = kev_model_from_hf(tiny.hf, tiny.kev.tokenizer)
     model.weights.quantize_int8()
-    assert all(isinstance(m, Int8Weight) for m in model.weights.matrices())
+    assert all(isinstance(m, RowWeight) and m.int8 for m in model.weights.matrices())
+    assert isinstance(model.weights.embed, Int8Weight)  # lookups dequantise rows of the int8 table
     q = harness.Q("q", harness.random_prompt(random.Random(6), 30), dict(max_new_tokens=8))
     assert len(harness.run_core(model, [q]).tokens("q")) == 8
+    library = kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, matmul="library")
+    library.weights.quantize_int8()
+    assert all(isinstance(m, Int8Weight) for m in library.weights.matrices())  # torch's int8 kernel
 
 
-def test_int8_weights_and_other_devices_take_the_library_and_say_why(logs):
+@needs_kernel
+def test_int8_weights_on_row_linear_answer_as_torchs_int8_kernel_does(tiny_models, harness):
+    """The same int8 values; row_linear keeps fp32 rows and scales where torch's kernel rounds them to bf16,
+    so the logits stay close and the greedy tokens agree."""
+    from conftest import kev_model_from_hf
+
+    tiny = tiny_models["llama"]
+    ours, theirs = (kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, matmul=kind) for kind in ("row_linear", "library"))
+    for model in (ours, theirs):
+        model.weights.quantize_int8()
+    q = harness.Q("q", harness.random_prompt(random.Random(7), 40), dict(max_new_tokens=10))
+    a, b = harness.run_core(ours, [q]), harness.run_core(theirs, [q])
+    assert a.tokens("q") == b.tokens("q")
+    assert max((x - y).abs().max().item() for x, y in zip(a.logits["q"], b.logits["q"])) < 0.05
+
+
+def test_other_devices_take_the_library_and_say_why(logs):
     probes = [torch.randn(8, 8)]
-    assert matmul.choose("auto", torch.float32, torch.device("cpu"), probes, quantized=True).kernel == "library"
     assert matmul.choose("auto", torch.float32, torch.device("meta"), probes).kernel == "library"
-    with pytest.raises(ValueError, match="int8 weights"):
-        matmul.choose("row_linear", torch.float32, torch.device("cpu"), probes, quantized=True)
     with pytest.raises(ValueError, match="row_linear is a CPU kernel"):
         matmul.choose("row_linear", torch.bfloat16, torch.device("cuda"), probes)
     with pytest.raises(ValueError, match="not one of auto, row_linear, library"):
         matmul.choose("fastest", torch.float32, torch.device("cpu"), probes)
     reasons = [e["reason"] for e in logs if e["event"] == "matmul.kernel"]
-    assert reasons == ["int8 weights multiply through torch's int8 kernel", "row_linear is a CPU kernel; the model is on meta"]
+    assert reasons == ["row_linear is a CPU kernel; the model is on meta"]
+
+
+@needs_kernel
+def test_int8_weights_take_row_linear_where_it_runs(logs):
+    probes = [torch.randn(8, 8)]
+    assert matmul.choose("auto", torch.float32, torch.device("cpu"), probes, quantized=True).kernel == "row_linear"
+    assert matmul.choose("row_linear", torch.bfloat16, torch.device("cpu"), probes, quantized=True).kernel == "row_linear"
 
 
 def test_without_the_kernel_auto_takes_the_library(monkeypatch, logs):

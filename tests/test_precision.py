@@ -24,6 +24,7 @@ from structlog.testing import capture_logs
 from engine import EngineCore, EngineOptions
 from engine.kv.cache import KVCache, plan_num_blocks
 from engine.kernels.quant import Int8Weight
+from engine.kernels.row_linear import RowWeight
 
 PRECISIONS = {  # name -> (model dtype, int8 weights, kv dtype)
     "bf16": (torch.bfloat16, False, "auto"),
@@ -96,8 +97,10 @@ def test_deterministic_mode_bitwise_in_every_precision(models, harness, name):
 
 def test_int8_weights_hold_int8_and_a_quarter_of_the_bytes(models):
     full, quantized = models["llama", "fp32"].weights, models["llama", "int8-weights"].weights
-    assert all(isinstance(m, Int8Weight) for m in quantized.matrices())
-    assert quantized.layers[0].qkv.qweight.dtype == torch.int8
+    # row_linear's int8 panels where it multiplies (core.matmul), torch's int8 kernel's matrices elsewhere
+    held = [m.packed if isinstance(m, RowWeight) else m.qweight for m in quantized.matrices()]
+    assert all(isinstance(m, (RowWeight, Int8Weight)) for m in quantized.matrices())
+    assert all(t.dtype == torch.int8 for t in held)
     assert quantized.nbytes < 0.3 * full.nbytes
 
 
@@ -182,7 +185,8 @@ def test_config_switches_reach_the_engine(tmp_path):
     assert EngineOptions.from_config(cfg).kv_dtype == "int8"
     model = load_model(build_tiny_model_dir(tmp_path), device="cpu", dtype=cfg.core.precision,
                        weights=cfg.core.weights)
-    assert model.weight_format == "int8" and isinstance(model.weights.layers[0].down, Int8Weight)
+    down = model.weights.layers[0].down
+    assert model.weight_format == "int8" and (down.int8 if isinstance(down, RowWeight) else isinstance(down, Int8Weight))
 
 
 def test_bf16_without_cpu_flags_falls_back_to_fp32_with_a_log_line(monkeypatch):
@@ -210,10 +214,14 @@ def test_bench_precision_prints_every_variant(tmp_path, capsys):
     assert "| fp32 | float32 | float32 |" in out and "| 3/3 | - | 0.000 |" in out  # fp32 agrees with itself
 
 
-def test_deterministic_refuses_int8_weights_where_the_kernel_is_not_row_invariant(models, harness, monkeypatch):
+def test_deterministic_refuses_int8_weights_where_the_kernel_is_not_row_invariant(tiny_models, harness, monkeypatch):
+    """torch's int8 kernel (core.matmul: library) takes the tile check; row_linear's int8 panels need none."""
     from engine.deterministic import tiles
 
     monkeypatch.setattr(tiles, "_per_call_invariant", lambda weight: False)
     monkeypatch.setattr(tiles.TileCheck, "_done", set())
+    tiny = tiny_models["llama"]
+    library = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, matmul="library")
+    library.weights.quantize_int8()
     with pytest.raises(tiles.NotDeterministic, match="isolation.deterministic .* core.weights: int8"):
-        EngineCore(models["llama", "int8-weights"], harness.tiny_options(deterministic=True))
+        EngineCore(library, harness.tiny_options(deterministic=True))

@@ -154,6 +154,44 @@ def test_the_packed_weight_is_read_as_panels_of_sixteen_columns():
     assert torch.equal(pairs[0, 1, 5], torch.tensor([5 * 3 + 2, 0], dtype=torch.bfloat16))
 
 
+# Weight-only int8: the same chains over k on the int8 values, then each column's scale.
+
+
+def assert_like_dequantised(row: RowWeight, x):
+    n, k = row.shape  # the int8 values times their fp32 scales, exactly (matrix() rounds them to the dtype)
+    scales = row.packed[:, k:].contiguous().view(torch.float32).reshape(-1)[:n]
+    values = row.packed[:, :k].transpose(1, 2).reshape(-1, k)[:n].float() * scales[:, None]
+    expected = x.float() @ values.t()
+    if x.dtype is torch.float32:
+        torch.testing.assert_close(row.linear(x), expected, rtol=1e-5, atol=2e-5)
+    else:
+        torch.testing.assert_close(row.linear(x).float(), expected, rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (37, 101)], ids=str)
+def test_int8_panels_agree_with_their_dequantised_matrix_at_every_row_count(shape, dtype):
+    from engine.kernels.quant import Int8Weight
+
+    weight, x = weight_and_rows(shape, dtype, max(ROWS))
+    row = RowWeight(weight, int8=True)
+    reference = Int8Weight(weight)  # torch's int8 path quantises to the same values
+    assert torch.equal(row.packed[:, : shape[1]].transpose(1, 2).reshape(-1, shape[1])[: shape[0]], reference.qweight)
+    torch.testing.assert_close(row.matrix().float(), weight.float(), rtol=0, atol=weight.float().abs().max().item() / 200)
+    for rows in ROWS:
+        assert_like_dequantised(row, x[:rows])
+
+
+@pytest.mark.parametrize("name", ["host", "no-avx512", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_panels_keep_a_row_bitwise_inside_calls_of_up_to_2048_rows(name, dtype):
+    shape = (960, 576)
+    row = RowWeight(torch.randn(shape).mul(0.05).to(dtype), build(name), int8=True)
+    assert_like_dequantised(row, torch.randn(7, shape[1]).to(dtype))
+    counts = INVARIANCE_COUNTS if name == "host" else (2, 5, 7, 33, 200)
+    assert_row_invariant(row, shape, dtype, counts)
+
+
 def test_kev_row_linear_0_declines_the_kernel(monkeypatch):
     monkeypatch.setenv("KEV_ROW_LINEAR", "0")
     assert row_linear.kernel() is None and not row_linear.usable(torch.zeros(4, 4))
@@ -177,7 +215,7 @@ def test_deterministic_mode_multiplies_fp32_and_bf16_models_through_row_linear(t
         assert torch.equal(weights.linear(x, weights.lm_head), RowWeight(weights.embed).linear(x))
 
 
-def test_int8_weights_stay_on_the_tiles(tiny_models, harness):
+def test_int8_weights_multiply_through_row_linears_int8_panels_in_deterministic_mode(tiny_models, harness):
     from engine.deterministic import rows
     from engine.deterministic.mode import DETERMINISTIC
 
@@ -185,7 +223,7 @@ def test_int8_weights_stay_on_the_tiles(tiny_models, harness):
     weights = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer).weights
     weights.quantize_int8()
     weights.use(DETERMINISTIC)
-    assert all(rows.row_weight(matrix) is None for matrix in weights.matrices())
+    assert all(rows.row_weight(matrix) is matrix and matrix.int8 for matrix in weights.matrices())
 
 
 def test_a_shape_failing_the_check_takes_the_tiles_and_says_so(tiny_models, harness, monkeypatch, logs):

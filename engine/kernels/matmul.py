@@ -3,7 +3,8 @@
 row_linear (engine/kernels/row_linear.py) keeps a row's bits whatever shares its call, so with it every
 question's logits are the same alone or packed, at every precision: isolation by construction, not only
 in deterministic mode. The library's kernels pick their blocking by shape, and on CPUs with AMX they
-multiply bf16 prompts many times faster than row_linear's AVX-512 can.
+multiply bf16 prompts many times faster than row_linear's AVX-512 can. Weight-only int8 models compare
+row_linear's int8 panels with torch's int8 kernel the same way.
 
 `core.matmul: auto` measures both on two of the model's own matrices at a decode-sized and a
 prompt-sized row count, alternating, and takes row_linear unless the library is clearly faster
@@ -23,6 +24,7 @@ import torch
 
 from engine.kernels import row_linear
 from engine.kernels.packed_weight import PackedWeight, can_pack
+from engine.kernels.quant import Int8Weight
 from engine.kernels.row_linear import RowWeight
 
 log = structlog.get_logger("kev.matmul")
@@ -55,7 +57,7 @@ def choose(requested: str, dtype: torch.dtype, device: torch.device, probes: lis
     """The kernel for a model's matrices; `probes`: a few of its plain matrices to time (auto only)."""
     if requested not in KERNELS:
         raise ValueError(f"core.matmul {requested!r} is not one of {', '.join(KERNELS)}")
-    unable = _why_not_row_linear(dtype, device, quantized)
+    unable = _why_not_row_linear(dtype, device)
     if requested == "library":
         return _logged(MatmulChoice("library", "core.matmul: library"))
     if unable:
@@ -64,18 +66,16 @@ def choose(requested: str, dtype: torch.dtype, device: torch.device, probes: lis
         return _logged(MatmulChoice("library", unable))
     if requested == "row_linear":
         return _logged(MatmulChoice("row_linear", "core.matmul: row_linear"))
-    if not can_pack(dtype, device):
+    if not quantized and not can_pack(dtype, device):
         return _logged(MatmulChoice("row_linear", "the library has no packed kernel for this dtype here"))
     if sum(m.numel() for m in probes) * PROBE_ROWS[-1] < TIMED_MACS:
         return _logged(MatmulChoice("row_linear", "matrices too small to time; row_linear"))
-    return _logged(_measured(probes))
+    return _logged(_measured(probes, quantized))
 
 
-def _why_not_row_linear(dtype: torch.dtype, device: torch.device, quantized: bool) -> str | None:
+def _why_not_row_linear(dtype: torch.dtype, device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"row_linear is a CPU kernel; the model is on {device.type}"
-    if quantized:
-        return "int8 weights multiply through torch's int8 kernel"
     if dtype not in row_linear.DTYPES:
         return f"row_linear takes fp32 and bf16, not {str(dtype).removeprefix('torch.')}"
     if row_linear.kernel() is None:
@@ -83,9 +83,11 @@ def _why_not_row_linear(dtype: torch.dtype, device: torch.device, quantized: boo
     return None
 
 
-def _measured(probes: list[torch.Tensor]) -> MatmulChoice:
-    """Time row_linear and the library on `probes` at each of PROBE_ROWS rows, in turns."""
-    kernels = {"row_linear": [RowWeight(m) for m in probes], "library": [PackedWeight(m) for m in probes]}
+def _measured(probes: list[torch.Tensor], quantized: bool = False) -> MatmulChoice:
+    """Time row_linear and the library on `probes` at each of PROBE_ROWS rows, in turns; `quantized`:
+    both as weight-only int8 (the library's is torch's int8 kernel)."""
+    library = Int8Weight if quantized else PackedWeight
+    kernels = {"row_linear": [RowWeight(m, int8=quantized) for m in probes], "library": [library(m) for m in probes]}
     generator = torch.Generator().manual_seed(0)
     ms: dict[str, float] = {}
     for rows in PROBE_ROWS:

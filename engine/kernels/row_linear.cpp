@@ -1,8 +1,9 @@
-// y = x @ W^T for fp32 and bf16 weights, with every output element reduced in one order fixed by K alone.
+// y = x @ W^T for fp32, bf16 and int8 weights, with every output element reduced in one order fixed by K alone.
 //
 // W arrives repacked (engine/kernels/row_linear.py) in panels of 16 output columns:
 //   fp32: [panels, K, 16]            element (k, c) of panel p at (p * K + k) * 16 + c
 //   bf16: [panels, K2 / 2, 16, 2]    K2 = K rounded up to even; (k, c) at ((p * K2/2 + k/2) * 16 + c) * 2 + k % 2
+//   int8: [panels, K + 4, 16]        (k, c) at (p * (K + 4) + k) * 16 + c; then the panel's 16 fp32 scales
 // so one read of a panel serves every row of the call, 16 columns per vector.
 //
 // Output element (row, col) is accumulated by one chain over k = 0 .. K-1 (bf16: over k pairs), starting
@@ -57,7 +58,11 @@ struct Isa {
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V splat(float v) { return _mm512_set1_ps(v); }
   static V madd(V x, V w, V acc) { return _mm512_fmadd_ps(x, w, acc); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void put(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V widen8(const int8_t* p) {  // 16 int8 weights as fp32, exactly
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   // 16 columns' (k, k+1) bf16 pairs -> k's 16 values and k+1's, exactly (bf16 is fp32's top half).
   static void widen(const uint16_t* p, V& even, V& odd) {
     const __m512i raw = _mm512_loadu_si512(p);
@@ -80,7 +85,11 @@ struct Isa {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V splat(float v) { return _mm256_set1_ps(v); }
   static V madd(V x, V w, V acc) { return _mm256_fmadd_ps(x, w, acc); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void put(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V widen8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static void widen(const uint16_t* p, V& even, V& odd) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -112,6 +121,16 @@ struct Isa {
     return acc;
   }
   static void put(float* p, const V& v) { std::memcpy(p, v.v, sizeof v.v); }
+  static V mul(const V& a, const V& b) {
+    V out;
+    for (int l = 0; l < 16; ++l) out.v[l] = a.v[l] * b.v[l];
+    return out;
+  }
+  static V widen8(const int8_t* p) {
+    V out;
+    for (int l = 0; l < 16; ++l) out.v[l] = static_cast<float>(p[l]);
+    return out;
+  }
   static void widen(const uint16_t* p, V& even, V& odd) {
     for (int l = 0; l < 16; ++l) {
       even.v[l] = from_bf16(p[2 * l]);
@@ -211,6 +230,33 @@ void tile_bf16_widened(const Tile<float, uint16_t, Y>& t) {
   write<R, P>(acc, t);
 }
 
+// int8 weights (a panel's K rows of 16 int8, then its 16 fp32 column scales), rows in fp32: the chain
+// of multiply-adds over k on the int8 values widened exactly, then one multiply by the column's scale.
+template <int R, int P, typename Y>
+void tile_int8(const Tile<float, int8_t, Y>& t) {
+  constexpr int N = P * Isa::PER;
+  typename Isa::V acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < N; ++i) acc[r][i] = Isa::zero();
+  for (int64_t k = 0; k < t.k; ++k) {
+    if (k % 4 == 0) fetch_next<P>(t, k / 4);  // a 64-byte line holds four k of a panel
+    typename Isa::V w[N];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < Isa::PER; ++h) w[p * Isa::PER + h] = Isa::widen8(t.w + p * t.panel_stride + k * PANEL + h * Isa::LANES);
+    for (int r = 0; r < R; ++r) {
+      const typename Isa::V x = Isa::splat(t.x[r * t.ldx + k]);
+      for (int i = 0; i < N; ++i) acc[r][i] = Isa::madd(x, w[i], acc[r][i]);
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < Isa::PER; ++h) {
+      float scale[Isa::LANES];
+      std::memcpy(scale, t.w + p * t.panel_stride + t.k * PANEL + h * Isa::LANES * sizeof(float), sizeof scale);
+      for (int r = 0; r < R; ++r) acc[r][p * Isa::PER + h] = Isa::mul(acc[r][p * Isa::PER + h], Isa::load(scale));
+    }
+  write<R, P>(acc, t);
+}
+
 #if defined(__AVX512BF16__)
 // bf16 weights and rows with vdpbf16ps: per pair j, one instruction adds both products to each column.
 template <int R, int P, typename Y>
@@ -271,8 +317,9 @@ void panels(const Tile<X, W, Y>& t, int64_t rows, int64_t n, int64_t begin, int6
         // single block streams the weights at memory speed, which the hardware's prefetcher keeps up
         // with alone (measured: software prefetch made one row 10-20% slower, and 64 rows 12-25% faster).
         at.next = blocks > 1 && p0 + P < end ? t.w + (p0 + P) * t.panel_stride : nullptr;
-        at.fetch_from = t.k * block / blocks;
-        at.fetch_to = t.k * (block + 1) / blocks;
+        const int64_t lines = sizeof(W) == 1 ? (t.k + 3) / 4 : t.k;  // 64-byte steps of a panel
+        at.fetch_from = lines * block / blocks;
+        at.fetch_to = lines * (block + 1) / blocks;
         dispatch<R, P, Kernel>(static_cast<int>(std::min<int64_t>(R, rows - r0)), pc, at);
       }
     }
@@ -286,6 +333,10 @@ struct F32 {
 struct Bf16Widened {
   template <int r, int p, typename Y>
   static void call(const Tile<float, uint16_t, Y>& t) { tile_bf16_widened<r, p>(t); }
+};
+struct Int8 {
+  template <int r, int p, typename Y>
+  static void call(const Tile<float, int8_t, Y>& t) { tile_int8<r, p>(t); }
 };
 #if defined(__AVX512BF16__)
 struct Bf16Dot {
@@ -303,14 +354,34 @@ void run(const Tile<X, W, Y>& t, int64_t rows, int64_t n, int64_t panel_count) {
 }
 
 // x [M, K] (fp32 with fp32 weights; bf16 with bf16 weights, K even) times the packed weight of n outputs.
+// int8 weights [panels, K + 4, 16]: K rows of 16 int8 columns, then 64 bytes of the 16 columns' fp32 scales.
+// fp32 rows are read as they are, bf16 rows widened to fp32 once (exact); y takes the rows' dtype.
+torch::Tensor multiply_int8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, torch::Tensor& y) {
+  const int64_t k = x.size(1), rows = x.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k + 4 && packed.size(2) == PANEL, "row_linear: int8 layout");
+  TORCH_CHECK(x.scalar_type() == at::ScalarType::Float || x.scalar_type() == at::ScalarType::BFloat16,
+              "row_linear: int8 weights take fp32 or bf16 rows");
+  const torch::Tensor wide = x.scalar_type() == at::ScalarType::Float ? x : x.to(at::ScalarType::Float);
+  const auto* w = packed.data_ptr<int8_t>();
+  if (x.scalar_type() == at::ScalarType::Float) {
+    Tile<float, int8_t, float> t{wide.data_ptr<float>(), k, w, (k + 4) * PANEL, k, y.data_ptr<float>(), n, 0, n, nullptr, 0, 0};
+    run<Isa::ROWS_F32, Int8>(t, rows, n, packed.size(0));
+  } else {
+    Tile<float, int8_t, c10::BFloat16> t{wide.data_ptr<float>(), k, w, (k + 4) * PANEL, k, y.data_ptr<at::BFloat16>(), n, 0, n, nullptr, 0, 0};
+    run<Isa::ROWS_F32, Int8>(t, rows, n, packed.size(0));
+  }
+  return y;
+}
+
 // Without the GIL: the caller (row_linear below, or the layer stack) has released it.
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.is_contiguous(), "row_linear: x [M, K] contiguous");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "row_linear: x and the weight must share a dtype");
   const int64_t rows = x.size(0), panel_count = packed.size(0);
   TORCH_CHECK(panel_count * PANEL >= n && n > 0, "row_linear: ", n, " outputs do not fit ", panel_count, " panels");
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
+  if (packed.scalar_type() == at::ScalarType::Char) return multiply_int8(x, packed, n, y);
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "row_linear: x and the weight must share a dtype");
 #if !defined(__AVX512BF16__)
   // bf16 rows widened to fp32 once here, not in every panel task.
   const torch::Tensor wide = x.scalar_type() == at::ScalarType::BFloat16 ? x.to(at::ScalarType::Float) : x;

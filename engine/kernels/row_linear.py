@@ -61,17 +61,32 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return panels.view(panels.shape[0], PANEL, -1, 2).transpose(1, 2).contiguous()
 
 
-class RowWeight:
-    """A weight matrix [out, in] repacked for row_linear; `linear(x)` computes `F.linear(x, weight)`."""
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> int8 [panels, K + 4, 16]: each panel's K rows of 16 int8 columns, then the 16 columns'
+    fp32 scales as 64 bytes, so a panel's scales are read with it. Symmetric per output channel, as
+    Int8Weight quantises (engine/kernels/quant.py): the same int8 values, the scales kept in fp32."""
+    rows = weight.detach().cpu().float()
+    scales = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(rows / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    pad = (-q.shape[0]) % PANEL
+    q, scales = F.pad(q, (0, 0, 0, pad)), F.pad(scales, (0, pad))
+    panels = q.view(-1, PANEL, q.shape[1]).transpose(1, 2)
+    return torch.cat([panels, scales.view(-1, PANEL).contiguous().view(torch.int8).view(-1, 4, PANEL)], 1).contiguous()
 
-    def __init__(self, weight: torch.Tensor, module=None):
+
+class RowWeight:
+    """A weight matrix [out, in] repacked for row_linear; `linear(x)` computes `F.linear(x, weight)`.
+    `int8=True` stores it as weight-only int8 with a scale per output channel: rows keep their dtype
+    (fp32 or bf16) and are multiplied in fp32 by the exactly widened int8 values, then the scale."""
+
+    def __init__(self, weight: torch.Tensor, module=None, int8: bool = False):
         self.op = module or kernel()
         if self.op is None:
             raise RuntimeError("the row_linear kernel is not built on this machine")
         if weight.dtype not in DTYPES or weight.dim() != 2:
             raise ValueError(f"row_linear takes fp32 or bf16 matrices, not {weight.dtype} {list(weight.shape)}")
-        self.shape, self.dtype = weight.shape, weight.dtype
-        self.packed = pack(weight.detach().cpu())
+        self.shape, self.dtype, self.int8 = weight.shape, weight.dtype, int8
+        self.packed = pack_int8(weight) if int8 else pack(weight.detach().cpu())
         self.isa = self.op.row_linear_isa()
 
     @property
@@ -81,6 +96,9 @@ class RowWeight:
     def matrix(self) -> torch.Tensor:
         """The matrix as loaded [out, in], unpacked exactly (for quantising, or tiles in deterministic mode)."""
         n, k = self.shape
+        if self.int8:  # dequantised: the values this weight multiplies by
+            scales = self.packed[:, k:].contiguous().view(torch.float32).reshape(-1)[:n]
+            return (self.packed[:, :k].transpose(1, 2).reshape(-1, k)[:n].float() * scales[:, None]).to(self.dtype)
         if self.dtype is torch.bfloat16:
             return self.packed.permute(0, 2, 1, 3).reshape(-1, self.packed.shape[1] * 2)[:n, :k].contiguous()
         return self.packed.transpose(1, 2).reshape(-1, k)[:n].contiguous()
@@ -88,7 +106,7 @@ class RowWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, inner = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, inner)
-        if self.dtype is torch.bfloat16 and inner % 2:
+        if self.dtype is torch.bfloat16 and inner % 2 and not self.int8:
             rows = F.pad(rows, (0, 1))  # the packed pairs' zero k
         out = self.op.row_linear(rows.contiguous(), self.packed, self.shape[0]).view(*lead, self.shape[0])
         return out + bias if bias is not None else out

@@ -110,13 +110,18 @@ class Transformer:
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matmul and the embedding table (the biggest matrix: tied to the
-        output head in small models). Norms, biases and rotary tables stay in the compute dtype."""
+        output head in small models). Norms, biases and rotary tables stay in the compute dtype. Where
+        row_linear multiplies (core.matmul), the matrices become its int8 panels (row-invariant, and the
+        output head gets its own copy beside the table's lookups); elsewhere torch's int8 kernel."""
         tied = self.spec.tie_embeddings or _unpacked(self.lm_head) is self.embed
+        rows = self.matmul_kernel == "row_linear"
+        quantize = (lambda m: RowWeight(_unpacked(m), int8=True)) if rows else (lambda m: Int8Weight(_unpacked(m)))
         for layer in self.layers:
             for name in MATRICES:
-                setattr(layer, name, Int8Weight(_unpacked(getattr(layer, name))))
+                setattr(layer, name, quantize(getattr(layer, name)))
+        head = _unpacked(self.lm_head)
         self.embed = Int8Weight(self.embed)
-        self.lm_head = self.embed if tied else Int8Weight(_unpacked(self.lm_head))
+        self.lm_head = RowWeight(head, int8=True) if rows else self.embed if tied else Int8Weight(head)
 
     def pack_weights(self) -> None:
         """On CPU, every matmul's weight reordered once into oneDNN's layout (engine/kernels/packed_weight.py).
