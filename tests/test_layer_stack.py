@@ -74,12 +74,14 @@ def test_the_stack_answers_as_transformers_does(tiny_models, harness):
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
 
 
-def test_where_the_stack_declines_the_python_forward_runs(tiny_models, harness):
+def test_where_the_stack_declines_the_python_forward_runs_and_the_log_says_why(tiny_models, harness, logs):
     from engine import EngineCore
 
     tiny = tiny_models["llama"]
     library = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, matmul="library")
     assert EngineCore(library, harness.tiny_options()).runner.weights.stack is None  # oneDNN's matrices
+    line = [e for e in logs if e["event"] == "layer_stack"][-1]
+    assert line["enabled"] is False and "library" in line["reason"]
     int8_kv = EngineCore(tiny.kev, harness.tiny_options(kv_dtype="int8"))
     assert not int8_kv.runner.weights.stack.runs(int8_kv.runner.attention.prepare([_one_row()]))
     q = harness.Q("q", harness.random_prompt(random.Random(1), 20), dict(max_new_tokens=5))

@@ -4,20 +4,24 @@ The Python forward makes about 18 torch calls per layer; at one decode row each 
 arithmetic, so a step of one question spent a sixth of its time between the matmuls. The stack runs
 the same layer as a C++ loop over the same compiled kernels, with no Python per layer.
 
-It takes a step when the whole step fits it: every layer matrix multiplied by row_linear (core.matmul,
-and in deterministic mode proven row-invariant), rows attending through the paged kernel over an fp32
-or bf16 cache (engine/kernels/rowwise.py), and no LoRA adapter in the step. Otherwise the Python forward
+It takes a step when the whole step fits it: every layer matrix multiplied by row_linear (core.matmul;
+fp32, bf16 or int8 panels; in deterministic mode proven row-invariant), rows attending through the
+paged kernel over an fp32 or bf16 cache (engine/kernels/rowwise.py), and no LoRA adapter in the step.
+Whether a model's steps can take it is logged once per engine as `layer_stack`. Otherwise the Python forward
 runs the step. Both give a row the same bits (tests/test_layer_stack.py), so the choice, which a
 neighbour's adapter can change, never reaches an answer.
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from engine.kernels import native
 from engine.kernels.row_linear import RowWeight
 from engine.kernels.rowwise import RowwiseStep
+
+log = structlog.get_logger("kev.engine.layer_stack")
 
 
 class LayerStack:
@@ -39,17 +43,11 @@ class LayerStack:
 
     @classmethod
     def build(cls, model) -> "LayerStack | None":
-        """The stack for `model` under its current mode, or None where part of a layer must run in Python."""
-        module = native.module()
-        matrices = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down")]
-        if module is None or model.cos.device.type != "cpu" or model.cos.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        if not all(isinstance(m, RowWeight) and m.dtype == model.cos.dtype and model.mode.row_weight(m) is m
-                   for m in matrices):
-            return None  # the library, int8 weights, or a matrix deterministic mode multiplies in tiles
-        if model.cos.dtype is torch.bfloat16 and any(m.shape[1] % 2 for m in matrices):
-            return None  # row_linear pads an odd K in Python
-        return cls(model, module)
+        """The stack for `model` under its current mode, or None where part of a layer must run in Python;
+        the verdict is logged as `layer_stack`."""
+        reason = _why_not(model)
+        log.info("layer_stack", enabled=reason is None, reason=reason or "every layer runs in one C++ call per step")
+        return cls(model, native.module()) if reason is None else None
 
     def runs(self, attend) -> bool:
         """Whether this step's attention is the stack's: row-wise over an unquantised cache of the rows' dtype."""
@@ -66,6 +64,20 @@ class LayerStack:
         if self._caches is None or self._caches[0] is not kv:
             self._caches = (kv, [t for layer in kv.layers for t in (layer.k, layer.v)])
         return self._caches[1]
+
+
+def _why_not(model) -> str | None:
+    if native.module() is None:
+        return "Kev's CPU kernels are not built here"
+    if model.cos.device.type != "cpu" or model.cos.dtype not in (torch.float32, torch.bfloat16):
+        return "the stack runs fp32 and bf16 models on the CPU"
+    matrices = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down")]
+    if not all(isinstance(m, RowWeight) and m.dtype == model.cos.dtype and model.mode.row_weight(m) is m
+               for m in matrices):
+        return "the weights multiply through the library, or deterministic mode tiles some of them"
+    if model.cos.dtype is torch.bfloat16 and any(m.shape[1] % 2 and not m.int8 for m in matrices):
+        return "a bf16 matrix of odd width (row_linear pads it in Python)"
+    return None
 
 
 def _or(tensor: torch.Tensor | None, empty: torch.Tensor) -> torch.Tensor:
