@@ -137,6 +137,15 @@ def test_kev_bench_load_in_deterministic_mode_on_the_library_kernel(tiny_model_d
     assert all(p["completed"] == 5 for p in result["points"])
 
 
+def test_kev_bench_load_with_speculative_decoding_keeps_every_answer(tiny_model_dir, tmp_path, capsys):
+    """--speculative ngram (policy auto): the engine runs with prompt lookup and its greedy answers stay
+    the solo ones."""
+    assert _load(tiny_model_dir, tmp_path, "--no-static", "--rates", "inf", "--plot", "", "--speculative", "ngram") == 0
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert result["engine_options"]["speculative"] == "ngram"
+    assert all(p["completed"] == 5 and p["identical"] == 5 for p in result["points"])
+
+
 @pytest.mark.kafka
 def test_kev_bench_load_via_kafka(tiny_model_dir, tmp_path, capsys):
     assert _load(tiny_model_dir, tmp_path, "--no-static", "--via-kafka", "--rates", "10", "--plot", "") == 0

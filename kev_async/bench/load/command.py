@@ -121,6 +121,8 @@ def _add_engine_flags(group) -> None:
                        help="scheduler.prompt_chunk_tokens: prompt chunks end on this grid (0: anywhere; default 512)")
     group.add_argument("--deterministic", action="store_true", default=None,
                        help="isolation.deterministic: bitwise-identical logits whatever shares the forward")
+    group.add_argument("--speculative", choices=("off", "ngram", "draft_model"), default=None,
+                       help="speculative.method for Kev's engine, with speculative.policy auto (default: off)")
     group.add_argument("--isolation", choices=("strict", "shared"), default="strict",
                        help="shared: Kev reuses cached full prompt blocks (prefix cache, EngineOptions."
                             "prefix_caching); pair it with --shared-prefix (default strict)")

@@ -49,7 +49,7 @@ def run_load(args: argparse.Namespace, out=print) -> dict:
 
 def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
     """--dtype/--weights/--kv-dtype/--matmul go to whichever of load_model and EngineOptions takes them;
-    --deterministic to EngineOptions (the engine's math mode)."""
+    --deterministic (the engine's math mode) and --speculative to EngineOptions."""
     load_params = inspect.signature(load_model).parameters
     option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
     load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
@@ -65,6 +65,8 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
         option_kwargs["deterministic"] = True
     if getattr(args, "prompt_chunk_tokens", None) is not None:
         option_kwargs["prompt_chunk_tokens"] = args.prompt_chunk_tokens
+    if getattr(args, "speculative", None):
+        option_kwargs["speculative"] = args.speculative  # policy auto: EngineOptions' default
     for name in ("dtype", "weights", "kv_dtype", "matmul"):
         value = getattr(args, name, None)
         if value is None:
