@@ -160,6 +160,7 @@ def layer_view(weights, spec, layers: int):
                                 f"{spec.num_layers} layers, got {layers}")
     view = copy.copy(weights)
     view.layers = weights.layers[:layers]
+    view.stack = None  # the target's layer stack holds every layer: the view runs its forward in Python
     return view, dataclasses.replace(spec, num_layers=layers)
 
 
