@@ -285,6 +285,44 @@ def test_seeded_sampling_draws_exactly_what_it_draws_without_drafts(tiny_models,
     assert sum(a.audit.drafted_tokens for a in on.answers.values()) > 0
 
 
+def test_sampled_tokens_after_a_draft_follow_the_targets_distribution(tiny_models, harness):
+    """Chi-square: 600 seeds of one prompt at temperature 0.5, the second token (drawn by a row that
+    verified a draft, for nearly every seed) against its exact marginal under the target, the sum over
+    the first token t1 of P(t1) P(t2 | t1), both from transformers' forward on the same weights. The
+    same counts reject the marginal at temperature 0.4 or 0.6, so the test can tell."""
+    tiny = tiny_models[KIND]
+    prompt = random.Random(21).sample(range(harness.VOCAB), harness.VOCAB)  # every token once: any t1 finds a lookup
+    seeds, temperature = 600, 0.5
+    questions = [harness.Q(f"s{i}", prompt, dict(max_new_tokens=3, temperature=temperature, top_k=0, top_p=1.0,
+                                                 seed=i)) for i in range(seeds)]
+    out = harness.run_core(tiny.kev, questions, harness.tiny_options(**SPEC, ngram_min=1, max_batch_size=64))
+    assert sum(a.audit.drafted_tokens for a in out.answers.values()) > 0.9 * seeds  # t2 verified a draft
+    seen = torch.bincount(torch.tensor([out.answers[q.qid].token_ids[1] for q in questions]),
+                          minlength=harness.VOCAB).double()
+    with torch.no_grad():
+        first = tiny.hf(torch.tensor([prompt])).logits[0, -1].double()
+        second = tiny.hf(torch.tensor([prompt + [t] for t in range(harness.VOCAB)])).logits[:, -1].double()
+
+    def beyond_chance(t: float) -> bool:
+        marginal = (torch.softmax(first / t, -1)[:, None] * torch.softmax(second / t, -1)).sum(0)
+        return chi_square_rejects(seen, marginal * seeds)
+
+    assert not beyond_chance(temperature)
+    assert beyond_chance(0.4) and beyond_chance(0.6)
+
+
+def chi_square_rejects(seen: torch.Tensor, expected: torch.Tensor, z: float = 3.09) -> bool:
+    """Whether counts `seen` differ from `expected` beyond chance at p = 0.001 (z), by Pearson's statistic
+    over bins expected at least 5 times (the rest pooled) against Wilson and Hilferty's approximation of
+    the chi-square quantile."""
+    big = expected >= 5
+    observed = torch.cat([seen[big], seen[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    statistic = ((observed - wanted) ** 2 / wanted).sum().item()
+    df = observed.numel() - 1
+    return statistic > df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
 def test_constrained_questions_do_not_draft(tiny_models, harness):
     fmt = msgspec.convert({"response_format": {"type": "json_object"}}, Params).response_format
     questions = looping_prompts(harness, 4, seed=11)
