@@ -3,7 +3,7 @@
 // Python's forward (engine/model/transformer.py) makes about 18 calls per layer; at one decode row each
 // costs more than its arithmetic, and a step of 30 layers spent ~3 ms of its ~19 between the matmuls.
 // Here the same layer runs as a C++ loop over the same kernels: row_kernels::multiply (row_linear.cpp),
-// row_kernels::rms_norm_rows and paged::attend (paged_decode.cpp), all compiled into this one module,
+// paged::attend (paged_decode.cpp) and this file's RMSNorm and SwiGLU, all compiled into this one module,
 // with the glue between them (bias, RoPE, the KV write, SwiGLU, residuals) written to round exactly as
 // the torch ops it replaces. A row's bits are the same through this stack and through the Python forward
 // (tests/test_layer_stack.py), so which one runs a step never shows in an answer.
@@ -93,13 +93,39 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
   });
 }
 
+// transformers' RMSNorm in one call: per row, in fp32, x / sqrt(mean(x^2) + eps), then times the weight; for
+// bf16 rows the normalised value is rounded to bf16 before the product and the product again (transformers'
+// two roundings). The sum of squares runs left to right, so a row's result depends on that row alone. torch
+// needs several calls per norm (in bf16 ~8: to float, norm, back, multiply), which at a decode step's single
+// row cost more than the arithmetic; a step makes 61.
+template <typename T>
+void rms_norm_rows(const T* in, const T* w, T* out, int64_t rows, int64_t width, float epsilon) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = in + r * width;
+      float squares = 0.0f;
+      for (int64_t i = 0; i < width; ++i) {
+        const float value = static_cast<float>(row[i]);
+        squares += value * value;
+      }
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(width) + epsilon);
+      T* dest = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        // static_cast<T> rounds to bf16 (nearest even) where T is bf16, and is exact for float.
+        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * scale));
+        dest[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
+      }
+    }
+  });
+}
+
 torch::Tensor normed(const torch::Tensor& x, const torch::Tensor& weight, float eps) {
   auto y = torch::empty_like(x);
   const int64_t rows = x.size(0), width = x.size(1);
   if (x.scalar_type() == at::ScalarType::Float)
-    row_kernels::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, width, eps);
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, width, eps);
   else
-    row_kernels::rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
                                y.data_ptr<at::BFloat16>(), rows, width, eps);
   return y;
 }
@@ -128,8 +154,8 @@ void place_row(T* qkv, const Shape& s, const torch::Tensor* w, const T* cos, con
   T* k = qkv + q_size;
   const T* v = k + kv_size;
   if (w[Q_NORM].numel() > 0) {
-    row_kernels::rms_norm_rows(q, w[Q_NORM].data_ptr<T>(), q, s.heads, s.dim, s.eps);
-    row_kernels::rms_norm_rows(k, w[K_NORM].data_ptr<T>(), k, s.kv_heads, s.dim, s.eps);
+    rms_norm_rows(q, w[Q_NORM].data_ptr<T>(), q, s.heads, s.dim, s.eps);
+    rms_norm_rows(k, w[K_NORM].data_ptr<T>(), k, s.kv_heads, s.dim, s.eps);
   }
   rope(q, s.heads + s.kv_heads, s.dim, cos, sin_signed);  // q and k lie side by side
   std::memcpy(k_cache + slot * kv_size, k, kv_size * sizeof(T));
@@ -170,6 +196,25 @@ void mlp_half(torch::Tensor& hidden, const torch::Tensor* w, const Shape& s) {
 }
 
 }  // namespace stack
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  using stack::rms_norm_rows;
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: rows and weight of one dtype");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1, "rms_norm: contiguous");
+  const int64_t width = weight.size(0);
+  TORCH_CHECK(x.size(-1) == width, "rms_norm: rows of ", x.size(-1), " against a weight of ", width);
+  auto y = torch::empty_like(x);
+  const int64_t rows = x.numel() / width;
+  const float epsilon = static_cast<float>(eps);
+  if (x.scalar_type() == at::ScalarType::Float) {
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, width, epsilon);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::ScalarType::BFloat16, "rms_norm: fp32 or bf16 only");
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows,
+                  width, epsilon);
+  }
+  return y;
+}
 
 // silu(gate) * up for rows [gate | up] (fp32 or bf16): the Python forward's SwiGLU, the stack's own.
 torch::Tensor silu_mul(torch::Tensor gate_up) {

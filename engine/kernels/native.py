@@ -1,8 +1,8 @@
 """Kev's CPU kernels, compiled together into one extension for the host's instruction set.
 
-row_linear.cpp (the row-invariant matmul and RMSNorm), paged_decode.cpp (attention read from the block
-pool in place) and layer_stack.cpp (the whole layer stack in one call, built from the other two) are one
-translation unit: the layer stack calls the same compiled functions the Python forward calls one by one,
+row_linear.cpp (the row-invariant matmul), paged_decode.cpp (attention read from the block pool in
+place) and layer_stack.cpp (RMSNorm, SwiGLU and the whole layer stack in one call, built from the other
+two) are one translation unit: the layer stack calls the same compiled functions the Python forward calls one by one,
 so both give a row the same bits. One set of flags serves all three:
   -ffp-contract=off    a multiply and an add stay two roundings unless the code calls fma by name, so
                        the plain C++ paths round as the torch ops they stand in for;
