@@ -33,7 +33,9 @@ inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 // torch's `a + b`: the sum in fp32, rounded once to T (c10::BFloat16 rounds to nearest even, as torch does).
 template <typename T>
 void add_into(T* a, const T* b, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) a[i] = static_cast<T>(widen(a[i]) + widen(b[i]));
+  at::parallel_for(0, count, 1 << 15, [&](int64_t begin, int64_t end) {  // a decode row stays on one thread
+    for (int64_t i = begin; i < end; ++i) a[i] = static_cast<T>(widen(a[i]) + widen(b[i]));
+  });
 }
 
 // transformers' `x * cos + rotate_half(x) * sin` as engine/model/layers.py's apply_rope computes it: each
@@ -46,11 +48,13 @@ void rope(T* heads, int64_t count, int64_t dim, const T* cos, const T* sin_signe
   for (int64_t h = 0; h < count; ++h) {
     T* x = heads + h * dim;
     for (int64_t d = 0; d < dim; ++d) saved[d] = widen(x[d]);
-    for (int64_t d = 0; d < dim; ++d) {
-      const float straight = widen(static_cast<T>(saved[d] * widen(cos[d])));
-      const float turned = widen(static_cast<T>(saved[d < half ? d + half : d - half] * widen(sin_signed[d])));
-      x[d] = static_cast<T>(straight + turned);
-    }
+    // The two halves apart, so each loop vectorises: d < half turns with d + half, the rest with d - half.
+    for (int64_t d = 0; d < half; ++d)
+      x[d] = static_cast<T>(widen(static_cast<T>(saved[d] * widen(cos[d]))) +
+                            widen(static_cast<T>(saved[d + half] * widen(sin_signed[d]))));
+    for (int64_t d = half; d < dim; ++d)
+      x[d] = static_cast<T>(widen(static_cast<T>(saved[d] * widen(cos[d]))) +
+                            widen(static_cast<T>(saved[d - half] * widen(sin_signed[d]))));
   }
 }
 
