@@ -20,13 +20,15 @@ from schemas import DEFAULT_MODEL, Params, QuestionEvent
 
 # torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
 
-VARIANTS = {  # name -> (precision, KV dtype, core.matmul)
-    "fp32": ("fp32", "auto", "row_linear"),
-    "bf16": ("bf16", "auto", "row_linear"),
-    "int8-kv": ("fp32", "int8", "row_linear"),
-    "bf16-library": ("bf16", "auto", "library"),
-    "int8-kv-library": ("fp32", "int8", "library"),
-    "bf16-int8-kv": ("bf16", "int8", "row_linear"),
+VARIANTS = {  # name -> (precision, KV dtype, core.matmul, core.weights)
+    "fp32": ("fp32", "auto", "row_linear", "full"),
+    "bf16": ("bf16", "auto", "row_linear", "full"),
+    "int8-kv": ("fp32", "int8", "row_linear", "full"),
+    "bf16-library": ("bf16", "auto", "library", "full"),
+    "int8-kv-library": ("fp32", "int8", "library", "full"),
+    "bf16-int8-kv": ("bf16", "int8", "row_linear", "full"),
+    "int8-weights": ("fp32", "auto", "row_linear", "int8"),
+    "int8-weights-library": ("fp32", "auto", "library", "int8"),
 }
 NEIGHBOURS = 4  # long neighbours packed beside the trace
 NEIGHBOUR_TOKENS = 900  # their contexts' tokens (less on a model with fewer positions)
@@ -96,8 +98,8 @@ def bench_isolation(model_name: str, names: list[str], *, num_questions: int = 2
 def _variant(model_name: str, name: str, count: int, seeded: int, max_new_tokens: int) -> dict:
     from engine import EngineOptions, IsolatedBatchPipeline, load_model
 
-    precision, kv_dtype, kernel = VARIANTS[name]
-    model = load_model(model_name, dtype=precision, matmul=kernel)
+    precision, kv_dtype, kernel, weights = VARIANTS[name]
+    model = load_model(model_name, dtype=precision, matmul=kernel, weights=weights)
     asked, neighbours = questions(model.tokenizer, count, seeded, max_new_tokens, model.spec.max_position)
     options = EngineOptions(kv_dtype=kv_dtype, batch_window_ms=0.0)
     solo_pipe = IsolatedBatchPipeline(model, max_batch_size=1, options=options)
