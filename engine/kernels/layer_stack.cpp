@@ -58,26 +58,6 @@ void rope(T* heads, int64_t count, int64_t dim, const T* cos, const T* sin_signe
   }
 }
 
-// exp(x) in plain arithmetic, so a loop over it vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by
-// Cephes' degree-7 polynomial, 2^n written into the exponent. Clamped to [-87, 88]: beyond it SiLU's
-// result is 0 or x to the last bit anyway. Explicit fmas give the same bits in vector and scalar code.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
-  const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // SwiGLU's silu(gate) * up for rows [gate | up] of 2 * width: silu rounded to T, then the product, as
 // transformers' act_fn(gate_proj(x)) * up_proj(x) rounds.
 template <typename T>
@@ -90,7 +70,7 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = widen(gate[i]);
-        silu[i] = g / (1.0f + exp_clamped(-g));
+        silu[i] = g / (1.0f + paged::exp_clamped(-g));  // beyond [-87, 88] silu is 0 or g anyway
       }
       for (int64_t i = 0; i < width; ++i) out[r * width + i] = static_cast<T>(widen(static_cast<T>(silu[i])) * widen(up[i]));
     }

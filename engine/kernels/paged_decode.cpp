@@ -39,12 +39,14 @@ static inline float dot(const float* a, const float* b) {
   return lane[0];
 }
 
-// exp(x) for x <= 0 in plain arithmetic, so a loop over it vectorises (libm's expf is a call per value):
+// exp(x) in plain arithmetic, so a loop over it vectorises (libm's expf is a call per value):
 // x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-7 polynomial, 2^n written into the exponent.
-static inline float exp_nonpositive(float x) {
+// The softmax (x <= 0) and SwiGLU's silu (layer_stack.cpp) share it.
+inline float exp_clamped(float x) {
   // Every multiply-add is an explicit fma, so a value gets the same bits in a loop's vector body and in
   // its scalar head or tail (where a row of scores starts depends on the task's shape).
-  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: a weight that small counts as nothing either way
+  // exp(-87) ~ 1.6e-38: a weight that small counts as nothing either way; exp(88) still fits a float
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
   const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));
   float p = 1.9875691500e-4f;
@@ -252,7 +254,7 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
     float* row = scores + i * len;
     const float top = lanes_max(row, len);
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
+    for (int64_t t = 0; t < len; ++t) row[t] = exp_clamped(row[t] - top);
     total[i] = lanes_sum(row, len);
   }
   if (v_scales != nullptr)  // the weights, not yet normalised, carry each value's scale
