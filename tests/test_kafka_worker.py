@@ -292,13 +292,19 @@ async def test_answers_of_a_partition_that_moved_away_are_left_to_its_new_owner(
     bootstrap = kafka_broker.bootstrap_servers
     held = HoldingEngine()
     async with running_worker(cfg, held) as first:
-        sent = await produce(bootstrap, cfg.questions_topic, [question(f"m{i}") for i in range(6)])
+        # Keyless records land on a random partition: pin them so that both partitions hold questions.
+        names = [f"m{i}" for i in range(6)]
+        sent = []
+        for partition in (0, 1):
+            sent += await produce(bootstrap, cfg.questions_topic, [question(n) for n in names[partition::2]],
+                                  partition=partition)
+        names = names[0::2] + names[1::2]
         await wait_until(lambda: len(held.received) == 6)
         async with running_worker(cfg) as second:
             await wait_until(lambda: len(first.statistics().assigned) == 1 == len(second.statistics().assigned))
             (moved,) = second.statistics().assigned
-            on_moved = {f"m{i}" for i, (partition, _) in enumerate(sent) if partition == moved.partition}
-            assert on_moved and len(on_moved) < 6  # both partitions have questions
+            on_moved = {name for name, (partition, _) in zip(names, sent) if partition == moved.partition}
+            assert len(on_moved) == 3
             await read_topic(bootstrap, cfg.answers_topic, len(on_moved), linger=0)
             held.release.set()
             await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
