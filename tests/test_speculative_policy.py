@@ -10,8 +10,8 @@ import random
 import pytest
 
 from engine.schedule.sequence import SamplingParams, Sequence
-from engine.speculate.cost import MIN_DRAFT_PROB, StepCosts, acceptance_rate, draft_lengths
-from engine.speculate.drafts import draft_rate, record
+from engine.speculate.acceptance import PRIOR_RATE, KindRates, Odds, odds, record
+from engine.speculate.cost import MIN_DRAFT_PROB, StepCosts, draft_lengths
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 COMPUTE_BOUND = StepCosts(ROWS, tuple(0.001 * n for n in ROWS))  # every row costs the same
@@ -19,20 +19,25 @@ MEMORY_BOUND = StepCosts(ROWS, tuple(0.020 + 0.00002 * n for n in ROWS))  # read
 KNEE = StepCosts(ROWS, tuple(0.010 * max(1.0, n / 16) for n in ROWS))  # flat to 16 rows, then compute-bound
 
 
+def offer(p: float, most: int) -> Odds:
+    """A question whose every draft token is kept with chance p."""
+    return Odds(p, p, most)
+
+
 def test_a_compute_bound_step_drafts_nothing_whatever_the_acceptance():
-    assert draft_lengths(COMPUTE_BOUND, 8, [(0.95, 4)] * 8) == [0] * 8
-    assert draft_lengths(COMPUTE_BOUND, 1, [(0.99, 8)]) == [0]
+    assert draft_lengths(COMPUTE_BOUND, 8, [offer(0.95, 4)] * 8) == [0] * 8
+    assert draft_lengths(COMPUTE_BOUND, 1, [offer(0.99, 8)]) == [0]
 
 
 def test_a_memory_bound_step_drafts_where_drafts_are_kept():
-    assert draft_lengths(MEMORY_BOUND, 4, [(0.9, 4)] * 4) == [4] * 4
+    assert draft_lengths(MEMORY_BOUND, 4, [offer(0.9, 4)] * 4) == [4] * 4
     # Draft j is worth p^j tokens: 0.3 pays for one draft, 0.3^2 is below MIN_DRAFT_PROB.
-    assert draft_lengths(MEMORY_BOUND, 2, [(0.9, 4), (0.3, 4)]) == [4, 1]
-    assert draft_lengths(MEMORY_BOUND, 2, [(MIN_DRAFT_PROB / 2, 4), (0.8, 0)]) == [0, 0]
+    assert draft_lengths(MEMORY_BOUND, 2, [offer(0.9, 4), offer(0.3, 4)]) == [4, 1]
+    assert draft_lengths(MEMORY_BOUND, 2, [offer(MIN_DRAFT_PROB / 2, 4), offer(0.8, 0)]) == [0, 0]
 
 
 def test_past_the_knee_only_the_likeliest_drafts_are_verified():
-    lengths = draft_lengths(KNEE, 8, [(0.9, 8)] * 4 + [(0.4, 8)] * 4)
+    lengths = draft_lengths(KNEE, 8, [offer(0.9, 8)] * 4 + [offer(0.4, 8)] * 4)
     assert sum(lengths) >= 8  # the free rows below the knee are used
     assert min(lengths[:4]) > max(lengths[4:])  # by the likelier questions first
     assert 8 + sum(lengths) < 8 + 8 * 8  # and the compute-bound part is mostly left alone
@@ -42,13 +47,13 @@ def test_a_draft_models_own_forwards_count_against_its_drafts():
     one = StepCosts((1, 64), (0.010, 0.011))
     as_costly = StepCosts((1, 64), (0.010, 0.011))  # a draft forward as dear as the target's
     cheap = StepCosts((1, 64), (0.001, 0.0011))
-    assert draft_lengths(one, 1, [(0.9, 4)], as_costly) == [0]
-    assert draft_lengths(one, 1, [(0.9, 4)], cheap) == [4]
-    assert draft_lengths(one, 1, [(0.9, 4)]) == [4]  # a lookup drafter costs nothing
+    assert draft_lengths(one, 1, [offer(0.9, 4)], as_costly) == [0]
+    assert draft_lengths(one, 1, [offer(0.9, 4)], cheap) == [4]
+    assert draft_lengths(one, 1, [offer(0.9, 4)]) == [4]  # a lookup drafter costs nothing
 
 
 def test_no_table_counts_rows_as_free():
-    assert draft_lengths(None, 64, [(0.8, 4), (0.2, 4)]) == [4, 1]
+    assert draft_lengths(None, 64, [offer(0.8, 4), offer(0.2, 4)]) == [4, 1]
 
 
 def test_the_table_is_monotone_and_extends_its_last_slope():
@@ -60,18 +65,40 @@ def test_the_table_is_monotone_and_extends_its_last_slope():
         StepCosts((4, 1), (0.1, 0.2))
 
 
-def test_acceptance_starts_at_the_prior_learns_and_fades():
+def test_later_draft_tokens_are_priced_at_their_own_chance():
+    # A first token kept 9 times in 10 pays in a memory-bound step; the second, kept 1 time in 10
+    # after it (0.09 expected tokens), does not.
+    assert draft_lengths(MEMORY_BOUND, 1, [Odds(0.9, 0.1, 4)]) == [1]
+    assert draft_lengths(MEMORY_BOUND, 1, [Odds(0.3, 0.9, 4)]) == [4]
+
+
+def test_a_questions_odds_start_at_the_engines_rate_for_that_kind_of_draft():
+    engine = KindRates()
     seq = Sequence("q", [1, 2, 3], SamplingParams())
-    assert draft_rate(seq) == acceptance_rate(0, 0) == 0.5
+    assert odds(seq, 1, engine, 4) == Odds(PRIOR_RATE, PRIOR_RATE, 4)
+    for i in range(40):  # other questions' one-token matches: first tokens mostly rejected
+        record(Sequence(f"o{i}", [1], SamplingParams()), 1, engine, 4, 1 if i % 5 == 0 else 0)
+    fresh = Sequence("fresh", [1, 2, 3], SamplingParams())
+    assert odds(fresh, 1, engine, 4).first < 0.3  # a new question's 1-token matches start where the engine's are
+    assert odds(fresh, 3, engine, 4).first == PRIOR_RATE  # its 3-token matches do not
+    for _ in range(8):  # its own one-token matches keep being right: its odds leave the engine's behind
+        record(fresh, 1, engine, 4, 4)
+    assert odds(fresh, 1, engine, 4).first > 0.6
+    assert odds(fresh, 1, engine, 4).then > 0.8
+
+
+def test_failures_fade_and_a_kind_of_draft_is_tried_again():
+    engine = KindRates()
+    seq = Sequence("q", [1, 2, 3], SamplingParams())
     for _ in range(6):
-        record(seq, 3, 0)  # wholly rejected drafts
-    low = draft_rate(seq)
-    assert low < MIN_DRAFT_PROB * 1.5
-    for _ in range(60):  # asked while not drafting: the failures fade, it will try again
-        rate = draft_rate(seq)
-    assert rate > 0.4
-    record(seq, 4, 4)
-    assert draft_rate(seq) > rate
+        odds(seq, 2, engine, 4)
+        record(seq, 2, engine, 3, 0)  # wholly rejected drafts
+    assert odds(seq, 2, engine, 4).first < 0.3
+    assert odds(Sequence("new", [1], SamplingParams()), 2, engine, 4).first < 0.3
+    for _ in range(300):  # steps in which nobody verifies such drafts: the engine's record fades too
+        engine.fade()
+        late = odds(seq, 2, engine, 4).first
+    assert late > 0.4
 
 
 # -- the engine ------------------------------------------------------------------------------------

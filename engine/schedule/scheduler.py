@@ -23,6 +23,7 @@ from engine.schedule.prompt_grid import on_grid
 from engine.schedule.sequence import Sequence, Status
 from engine.schedule.step_plan import Chunk, StepPlan
 from engine.schedule.speculation import Speculation
+from engine.speculate.acceptance import KindRates
 
 
 class Overloaded(Exception):
@@ -53,6 +54,7 @@ class Scheduler(Speculation):
         self.num_draft_verifications = 0  # question-forwards that verified a draft
         self.num_question_steps = 0  # question-forwards that emitted tokens (1 each, or 1 + kept drafts)
         self.step_costs = None  # policy auto: engine.speculate.cost.StepCosts, measured by the engine at start
+        self.draft_kinds = KindRates()  # policy auto: first draft tokens kept, per kind of draft
         self._step_drafts: dict[str, tuple[int, ...]] = {}  # this step's drafts, by question id
 
     # -- intake -------------------------------------------------------------------------------

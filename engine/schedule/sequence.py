@@ -97,8 +97,11 @@ class Sequence:
     ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know, for the audit
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified for it
     accepted_draft_tokens: int = 0  # of those, the ones it emitted (the model agreed with them)
-    draft_hits: float = 0.0  # policy auto: kept draft tokens, fading (engine/speculate/cost.py)
-    draft_trials: float = 0.0  # policy auto: kept draft tokens plus each draft's first rejected one, fading
+    # policy auto (engine/speculate/acceptance.py), fading: draft tokens after the first kept, and tried
+    # (kept ones plus the first rejected one); per kind of draft, first tokens [kept, tried].
+    draft_hits: float = 0.0
+    draft_trials: float = 0.0
+    first_draft_counts: dict[int, list[float]] = field(default_factory=dict)
     # The isolation audit (engine/audit.py): whether its rows' tokens are digested (it may draft), where its
     # current draft came from, and (drafted, accepted) of its last verified draft until its next forward.
     speculative: bool = False

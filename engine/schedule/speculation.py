@@ -11,17 +11,9 @@ from __future__ import annotations
 from engine.schedule.prefix_chain import name_filled_blocks
 from engine.schedule.sequence import Sequence
 from engine.schedule.step_plan import Chunk
+from engine.speculate.acceptance import draft_kind, odds, record
 from engine.speculate.cost import draft_lengths
-from engine.speculate.drafts import (
-    accepted_length,
-    can_draft,
-    draft_rate,
-    draft_room,
-    drafter_method,
-    is_model,
-    propose,
-    record,
-)
+from engine.speculate.drafts import accepted_length, can_draft, draft_room, drafter_method, is_model, propose
 
 
 class Speculation:
@@ -48,7 +40,9 @@ class Speculation:
         if not offers:
             return
         most = [room for _, room in offers] if model else [len(draft) for _, draft in offers]
-        lengths = most if self.limits.speculative_policy == "always" else self._auto_lengths(offers, most, model)
+        kinds = [0 if model else draft_kind(self._step_origins[seq.question_id]) for seq, _ in offers]
+        lengths = (most if self.limits.speculative_policy == "always"
+                   else self._auto_lengths([seq for seq, _ in offers], kinds, most, model))
         if model:
             asks = [(seq.question_id, seq.token_ids, k) for (seq, _), k in zip(offers, lengths) if k]
             drafts = self.drafter.draft_batch(asks) if asks else []
@@ -58,12 +52,12 @@ class Speculation:
         else:
             self._step_drafts = {seq.question_id: draft[:k] for (seq, draft), k in zip(offers, lengths) if k}
 
-    def _auto_lengths(self, offers: list, most: list[int], model: bool) -> list[int]:
+    def _auto_lengths(self, seqs: list[Sequence], kinds: list[int], most: list[int], model: bool) -> list[int]:
         """policy auto: as many drafts as raise the step's expected tokens per second (engine/speculate/cost.py)."""
         base_rows = min(self.limits.max_tokens_per_step, sum(seq.num_uncomputed for seq in self.running))
-        rates = [draft_rate(seq) for seq, _ in offers]
-        return draft_lengths(self.step_costs, base_rows, list(zip(rates, most)),
-                             getattr(self.drafter, "costs", None) if model else None)
+        self.draft_kinds.fade()
+        offers = [odds(seq, kind, self.draft_kinds, k) for seq, kind, k in zip(seqs, kinds, most)]
+        return draft_lengths(self.step_costs, base_rows, offers, getattr(self.drafter, "costs", None) if model else None)
 
     def _draft(self, seq: Sequence, length: int, budget: int, behind: int) -> tuple[int, ...]:
         """This step's drafts for a decoding question, with blocks for them taken already; () when it
@@ -103,7 +97,7 @@ class Speculation:
         """
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, drawn)
-        record(seq, len(draft), accepted)
+        record(seq, draft_kind(seq.draft_origin), self.draft_kinds, len(draft), accepted)
         seq.verified = (len(draft), accepted)  # the audit's record of its next forward says so
         self.num_draft_tokens += len(draft)
         self.num_draft_verifications += 1

@@ -1,14 +1,15 @@
 """policy auto: how many drafts each question verifies this step, chosen so the step's tokens per second rise.
 
 Plain numbers, no torch. `StepCosts` is a forward's seconds against its rows, measured once when the
-engine starts (engine/speculate/probe.py); each question brings its running acceptance rate. A step
-of R rows does R tokens of useful work (prompt tokens computed and tokens emitted alike) in T(R)
-seconds. A question whose next draft is accepted with probability p adds p^j expected tokens with its
-j-th draft (draft j counts only if drafts 1..j-1 were kept) and one row. Drafts are added greedily,
-the likeliest first, while each draft's expected tokens per second of the time it adds (to the forward
-and the drafter's own forwards) beat the step's current rate by MARGIN. In a memory-bound step (T nearly flat in R) a few rows cost little, so questions with a
-decent acceptance rate draft; in a compute-bound one (T proportional to R) a row that yields p < 1
-tokens lowers the rate, so nobody drafts.
+engine starts (engine/speculate/probe.py); each question brings the chances of its drafts
+(engine/speculate/acceptance.py). A step of R rows does R tokens of useful work (prompt tokens
+computed and tokens emitted alike) in T(R) seconds. A question whose first draft token is kept with
+probability p, and each later one with q, adds p·q^(j-1) expected tokens with its j-th draft (draft j
+counts only if drafts 1..j-1 were kept) and one row. Drafts are added greedily, the likeliest first,
+while each draft's expected tokens per second of the time it adds (to the forward and the drafter's
+own forwards) beat the step's current rate by MARGIN. In a memory-bound step (T nearly flat in R) a
+few rows cost little, so questions with a decent acceptance rate draft; in a compute-bound one (T
+proportional to R) a row that yields p < 1 tokens lowers the rate, so nobody drafts.
 """
 
 from __future__ import annotations
@@ -18,13 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-# A question's acceptance rate starts at PRIOR_RATE, worth PRIOR_TRIALS observations: two wholly
-# rejected drafts bring a fresh question below MIN_DRAFT_PROB's reach for its second draft.
-PRIOR_RATE = 0.5
-PRIOR_TRIALS = 2.0
-# Old observations fade each step a question could draft: text that starts quoting later (or stops) is
-# noticed, and a question that stopped drafting tries again once its failures have faded (~20 steps).
-DECAY = 0.95
+from engine.speculate.acceptance import Odds
+
 # A draft expected to be kept less than once in ten is not verified even when rows look free: the
 # table does not see the per-row bookkeeping outside the forward, nor its own noise.
 MIN_DRAFT_PROB = 0.1
@@ -68,16 +64,10 @@ class StepCosts:
         return {"rows": list(self.rows), "ms": [round(s * 1000, 3) for s in self.seconds]}
 
 
-def acceptance_rate(hits: float, trials: float) -> float:
-    """P(the next draft token is kept): kept drafts over trials (kept drafts plus the first rejected
-    one of each draft), with the prior mixed in."""
-    return (hits + PRIOR_RATE * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
-
-
-def draft_lengths(costs: StepCosts | None, base_rows: int, offers: list[tuple[float, int]],
+def draft_lengths(costs: StepCosts | None, base_rows: int, offers: list[Odds],
                   draft_costs: StepCosts | None = None) -> list[int]:
-    """Drafts per question: `offers` is (acceptance rate, most drafts it may take) per question, in any
-    order; `base_rows` the step's rows without drafts. `draft_costs`: the drafter's own forward against
+    """Drafts per question: `offers` the chances of each question's drafts and how many it may take
+    (engine/speculate/acceptance.py), in any order; `base_rows` the step's rows without drafts. `draft_costs`: the drafter's own forward against
     its rows (a draft model runs one forward per draft depth, over the questions drafting that deep);
     None for a drafter that costs nothing (prompt lookup). `costs` None: rows count as free."""
     lengths = [0] * len(offers)
@@ -85,7 +75,7 @@ def draft_lengths(costs: StepCosts | None, base_rows: int, offers: list[tuple[fl
     work = float(max(base_rows, 1))
     extra = 0
     now = _seconds(costs, draft_costs, base_rows, extra, depth_rows)
-    queue = [(-p, i) for i, (p, most) in enumerate(offers) if most > 0]
+    queue = [(-offer.first, i) for i, offer in enumerate(offers) if offer.most > 0]
     heapq.heapify(queue)
     while queue:
         gain, i = heapq.heappop(queue)
@@ -102,9 +92,8 @@ def draft_lengths(costs: StepCosts | None, base_rows: int, offers: list[tuple[fl
             continue
         lengths[i] += 1
         work, extra, now = work + gain, extra + 1, after
-        p, most = offers[i]
-        if lengths[i] < most:
-            heapq.heappush(queue, (-(gain * p), i))
+        if lengths[i] < offers[i].most:
+            heapq.heappush(queue, (-(gain * offers[i].then), i))
     return lengths
 
 

@@ -9,7 +9,6 @@ past max_new_tokens or the question's context, and never takes blocks a neighbou
 from __future__ import annotations
 
 from engine.schedule.sequence import Sequence, Status
-from engine.speculate.cost import DECAY, acceptance_rate
 
 
 def can_draft(seq: Sequence) -> bool:
@@ -46,20 +45,6 @@ def is_model(drafter) -> bool:
     """A drafter that runs forwards of its own (engine/speculate/draft_model.py) and drafts every
     question of a step together; a lookup drafter (prompt lookup) proposes per question for free."""
     return hasattr(drafter, "draft_batch")
-
-
-def draft_rate(seq: Sequence) -> float:
-    """policy auto: the question's chance that its next draft token is kept; its past fades a little
-    each time it is asked."""
-    seq.draft_hits *= DECAY
-    seq.draft_trials *= DECAY
-    return acceptance_rate(seq.draft_hits, seq.draft_trials)
-
-
-def record(seq: Sequence, drafted: int, accepted: int) -> None:
-    """A verified draft: `accepted` kept tokens, and one failed trial unless all were kept."""
-    seq.draft_hits += accepted
-    seq.draft_trials += accepted + (1 if accepted < drafted else 0)
 
 
 def accepted_length(draft: tuple[int, ...], targets: list[int]) -> int:
