@@ -3,7 +3,9 @@
 With speculative decoding on, a question's segments also carry where its drafts came from (`draft`),
 how its last one fared (`verified`), and one keyed digest per row of the token that row fed
 (`token_digests`), so `kev audit check` can re-derive each question's own token history from the log
-and check every prompt-lookup draft against it (docs/speculative.md, "What the audit proves").
+and check every prompt-lookup draft against it (docs/speculative.md, "What the audit proves"). A
+question that ends right after verifying a draft has no next segment: `question.verified` (DraftEndings)
+says how that draft fared, and `engine.drained` marks where every question so far had ended.
 """
 
 from __future__ import annotations
@@ -57,6 +59,34 @@ class DraftNotes:
             if 0 < chunk.start == seq.admitted_from:  # positions read from the prefix cache, never rows of its own
                 out["context_digests"] = token_digests(key, seq.token_ids[: chunk.start])
         return out
+
+
+class DraftEndings:
+    """The `question.verified` record of a question that ends after a forward in which it verified a draft:
+    no later segment of it will say how that draft fared."""
+
+    def __init__(self) -> None:
+        # question id -> (the forward of its latest draft, its kept draft tokens before that forward)
+        self._latest: dict[str, tuple[int, int]] = {}
+
+    def drafted(self, forward: int, chunks: list) -> None:
+        """Before the forward's verification is recorded: which of its questions verify a draft in it."""
+        for chunk in chunks:
+            if chunk.draft:
+                self._latest[chunk.seq.question_id] = (forward, chunk.seq.accepted_draft_tokens)
+
+    def ended(self, seq) -> dict | None:
+        """The record for a question that just ended; None unless its latest forward verified a draft.
+
+        `accepted` counts the draft tokens the answer kept: a question that ends inside its draft (a stop
+        token, max_new_tokens) keeps fewer than the model agreed with, and its usage counts those."""
+        latest = self._latest.pop(seq.question_id, None)
+        if seq.verified is None or latest is None:
+            return None
+        forward, kept_before = latest
+        drafted, kept = seq.verified[0], seq.accepted_draft_tokens - kept_before
+        return {"question_id": seq.question_id, "forward": forward, "drafted": drafted, "accepted": kept,
+                "rejected": drafted - kept, "finish_reason": seq.status.finish_reason}
 
 
 def question_key(question_id: str) -> bytes:

@@ -16,7 +16,7 @@ import structlog
 
 from engine.adapters.files import LoraAdapter
 from engine.adapters.pool import LoraPool
-from engine.audit import forward_summary, per_question, violations
+from engine.audit import DraftEndings, forward_summary, per_question, violations
 from engine.defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
 from engine.constrain import Constraints
@@ -76,6 +76,7 @@ class EngineCore:
                                        options.grammar_cache_size)
         self.num_forwards = 0
         self.num_generated = 0
+        self.draft_endings = DraftEndings()  # audit on: how a question's last draft fared, once it ends
         # Called with the batch size (questions in the pass) after each forward, on the device thread.
         self.step_observer: Callable[[int], None] | None = None
 
@@ -202,7 +203,10 @@ class EngineCore:
             for seq in self.constraints.advance(new_tokens):  # a token its grammar refused: it ends alone
                 self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)
-        events.answers = [self._answer(seq) for seq in self.scheduler.take_finished()]
+        finished = self.scheduler.take_finished()
+        if self.options.audit:
+            self._audit_endings(finished)
+        events.answers = [self._answer(seq) for seq in finished]
         return events
 
     def _detokenize(self, new_tokens: list[tuple[Sequence, int]]) -> list[TokenDelta]:
@@ -227,6 +231,17 @@ class EngineCore:
             log.error("forward.isolation_violation", problems=problems, **record)
         else:
             log.info("forward.mask", **record)  # audit is on only when asked for: show it at the default level
+        self.draft_endings.drafted(self.num_forwards, chunks)
+
+    def _audit_endings(self, finished: list[Sequence]) -> None:
+        """How the last draft of each question that just ended fared (no later `forward.mask` will say), and,
+        with speculative decoding on, `engine.drained` once none is left: every draft so far is settled."""
+        for seq in finished:
+            record = self.draft_endings.ended(seq)
+            if record:
+                log.info("question.verified", **record)
+        if finished and not self.has_work and self.scheduler.drafter is not None:
+            log.info("engine.drained", forward=self.num_forwards)
 
 
 def _choose_attention(model, options: EngineOptions, given) -> BackendChoice:

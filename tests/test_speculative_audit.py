@@ -3,8 +3,9 @@ fails: a draft token that is not the question's own, more tokens accepted than d
 cache block listed for two questions.
 
 Each drafting segment records its drafter and the draft's origin (`draft`), the question's next segment
-how it fared (`verified`), and every row of a question that may draft a keyed digest of its token, from
-which the checker rebuilds the question's own token history (docs/speculative.md).
+how it fared (`verified`) -- or, when the question ended right after, its `question.verified` record --
+and every row of a question that may draft a keyed digest of its token, from which the checker rebuilds
+the question's own token history (docs/speculative.md).
 """
 
 import copy
@@ -24,9 +25,10 @@ KIND = "llama"
 ALWAYS = dict(speculative_policy="always")  # every chance to draft
 
 
-def audited_run(harness, model, path: Path, questions, **options):
+def audited_run(harness, model, path: Path, questions, later=None, **options):
+    options = harness.tiny_options(audit=True, block_size=4, **ALWAYS, **options)
     with json_log_to(path):
-        outcome = harness.run_core(model, questions, harness.tiny_options(audit=True, block_size=4, **ALWAYS, **options))
+        outcome = harness.run_core(model, questions, options, later=later)
     return outcome
 
 
@@ -38,6 +40,13 @@ def masks(path: Path) -> list[dict]:
             if record["event"] in ("forward.mask", "forward.isolation_violation"):
                 out.append(record)
     return out
+
+
+def audit_events(path: Path) -> list[dict]:
+    """Every record `kev audit check` reads, in log order: forward records, question.verified, engine.drained."""
+    events = ("forward.mask", "forward.isolation_violation", "question.verified", "engine.drained")
+    return [r for r in map(json.loads, filter(lambda line: line.startswith("{"), path.read_text().splitlines()))
+            if r["event"] in events]
 
 
 def write(path: Path, records: list[dict]) -> Path:
@@ -72,14 +81,95 @@ def test_a_real_lookup_run_passes_and_every_draft_is_shown_to_be_its_own(ngram_l
     assert any(seg.get("context_digests") for r in records for seg in r["segments"])  # the prefix cache was read
     verified = [seg["verified"] for r in records for seg in r["segments"] if "verified" in seg]
     assert sum(v["rejected"] for v in verified) > 0 and sum(v["accepted"] for v in verified) > 0
-    # Every kept draft token is in some answer; the ones of a question's last forward have no next record.
-    assert sum(v["accepted"] for v in verified) <= sum(a.usage.accepted_draft_tokens for a in outcome.answers.values())
     code, out = check(path, capsys)
     assert code == 0, out
     report = check_log(read_audit_log(path))
     assert report.drafts.drafts == len(drafts) and report.drafts.proven == len(drafts)
+    # Every draft's outcome is in the log, the last ones of questions in their question.verified records:
+    # the accepted tokens it reports are exactly those the answers kept.
+    kept = sum(a.usage.accepted_draft_tokens for a in outcome.answers.values())
+    assert report.drafts.accepted_tokens == kept and not report.drafts.pending
     assert "every draft came from its own question" in out
     assert f"{len(drafts)} of {len(drafts)} prompt-lookup drafts shown copied from their own question's tokens" in out
+
+
+@pytest.fixture(scope="module")
+def ending_log(tiny_models, harness, tmp_path_factory):
+    """Twelve questions repeating a short phrase (lookups keep finding it, and the model often follows), so
+    several end by length in a forward that verified a draft; `qc` is cancelled right after one."""
+    rng = random.Random(3)
+    questions = [harness.Q(f"q{i}", harness.random_prompt(rng, rng.randint(2, 4)) * 5,
+                           dict(max_new_tokens=rng.randint(8, 30), temperature=0.0)) for i in range(12)]
+    questions.append(harness.Q("qc", [7, 8, 9] * 5, dict(max_new_tokens=40, temperature=0.0)))
+
+    def cancel_after_a_draft(core):
+        seq = next((seq for seq in core.scheduler.running if seq.question_id == "qc"), None)
+        if seq is not None and seq.verified is not None:  # its latest forward verified a draft
+            core.cancel("qc")
+
+    path = tmp_path_factory.mktemp("spec_audit") / "endings.log"
+    outcome = audited_run(harness, tiny_models[KIND].kev, path, questions, speculative="ngram",
+                          later={step: [cancel_after_a_draft] for step in range(2, 12)})
+    return path, outcome
+
+
+def test_a_question_whose_last_forward_verified_a_draft_says_how_it_fared_when_it_ends(ending_log, capsys):
+    path, outcome = ending_log
+    events = audit_events(path)
+    endings = {r["question_id"]: r for r in events if r["event"] == "question.verified"}
+    assert outcome.answers["qc"].finish_reason == "cancelled" and "qc" in endings
+    assert sum(r["finish_reason"] == "length" and r["accepted"] > 0 for r in endings.values()) >= 2
+    assert events[-1]["event"] == "engine.drained"  # after every question's ending
+    for qid, answer in outcome.answers.items():
+        forwards = [(r["forward"], seg) for r in events if r["event"] == "forward.mask" for seg in r["segments"]
+                    if seg["question_id"] == qid]
+        last_forward, last = forwards[-1]
+        if "draft" not in last:
+            assert qid not in endings  # a question whose last forward drafted nothing has nothing to report
+            continue
+        ending = endings[qid]  # it names its last forward and that forward's draft
+        assert (ending["forward"], ending["drafted"]) == (last_forward, last["draft"]["tokens"])
+        assert ending["accepted"] + ending["rejected"] == ending["drafted"]
+        assert ending["finish_reason"] == answer.finish_reason
+    code, out = check(path, capsys)
+    assert code == 0, out
+    # Every draft's outcome is in the log, the questions' last ones in their question.verified records: the
+    # accepted tokens `kev audit check` counts are exactly those the answers kept.
+    kept = sum(a.usage.accepted_draft_tokens for a in outcome.answers.values())
+    in_segments = sum(seg["verified"]["accepted"] for r in events if r["event"] == "forward.mask"
+                      for seg in r["segments"] if "verified" in seg)
+    assert kept == in_segments + sum(r["accepted"] for r in endings.values()) > in_segments
+    assert f", {kept} accepted as reported)" in out
+    assert check_log(read_audit_log(path)).drafts.accepted_tokens == kept
+
+
+@pytest.mark.parametrize("tamper", ["accepted", "drafted", "dropped"])
+def test_a_wrong_or_missing_question_verified_record_fails(ending_log, tmp_path, capsys, tamper):
+    path, _ = ending_log
+    events = copy.deepcopy(audit_events(path))
+    ending = next(r for r in events if r["event"] == "question.verified")
+    qid, drafted, where = ending["question_id"], ending["drafted"], f"forward {ending['forward']}"
+    if tamper == "accepted":
+        ending["accepted"] = drafted + 1
+        expected = f"{qid}: accepted {drafted + 1} draft tokens of the {drafted} drafted ({where})"
+    elif tamper == "drafted":
+        ending["drafted"] = drafted + 1
+        expected = f"{qid}: verified {drafted + 1} drafted tokens, but its draft ({where}) had {drafted}"
+    else:
+        events.remove(ending)
+        expected = (f"{qid}: its draft of {drafted} tokens ({where}) is never reported verified, though every "
+                    f"question had ended by forward {events[-1]['forward']}")
+    code, out = check(write(tmp_path / f"{tamper}.log", events), capsys)
+    assert code == 1 and expected in out, out
+
+
+def test_a_log_cut_off_before_its_questions_ended_is_no_violation(ending_log, tmp_path, capsys):
+    """Its last drafts are never settled, but nothing says their questions had ended: no alarm."""
+    path, _ = ending_log
+    events = audit_events(path)
+    cut = events.index(next(r for r in events if r["event"] == "question.verified"))
+    code, out = check(write(tmp_path / "cut.log", events[:cut]), capsys)
+    assert code == 0, out
 
 
 def test_a_draft_token_taken_from_another_question_fails(ngram_log, tmp_path, capsys):

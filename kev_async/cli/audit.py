@@ -19,8 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check", help="re-verify every forward record of a log",
         description="Read every forward.mask / forward.isolation_violation record of LOGFILE (structlog JSON "
                     "lines; other lines are skipped), re-check each forward's invariants and each question's "
-                    "position continuity across forwards, and print a summary. Exit 0 when clean, 1 on any "
-                    "violation, 2 when the file is unreadable or holds no audit records.")
+                    "position continuity across forwards (with speculative decoding, each draft's origin and "
+                    "outcome, from question.verified and engine.drained records too), and print a summary. "
+                    "Exit 0 when clean, 1 on any violation, 2 when the file is unreadable or holds no audit "
+                    "records.")
     check.add_argument("logfile", metavar="LOGFILE", type=Path)
     check.set_defaults(func=_check)
     render = actions.add_parser(

@@ -15,6 +15,8 @@ from pathlib import Path
 from kev_async.observe.draft_provenance import DraftLedger
 
 AUDIT_EVENTS = ("forward.mask", "forward.isolation_violation")
+# Speculative decoding: how a question's last draft fared when it ended, and where every question had ended.
+ENDING_EVENTS = ("question.verified", "engine.drained")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class AuditLog:
     not_json: int = 0
     other_events: int = 0
     malformed: list[str] = field(default_factory=list)  # audit records missing required fields
+    endings: list[ForwardRecord] = field(default_factory=list)  # ENDING_EVENTS, in the run logged before them
 
     @property
     def runs(self) -> int:
@@ -81,12 +84,15 @@ def read_audit_log(path: Path | str) -> AuditLog:
         except ValueError:
             log.not_json += 1
             continue
-        if not isinstance(data, dict) or data.get("event") not in AUDIT_EVENTS:
+        if not isinstance(data, dict) or data.get("event") not in AUDIT_EVENTS + ENDING_EVENTS:
             log.other_events += 1
             continue
-        problem = _shape_problem(data)
+        problem = _shape_problem(data) if data["event"] in AUDIT_EVENTS else _ending_shape_problem(data)
         if problem:
             log.malformed.append(f"line {number}: {problem}")
+            continue
+        if data["event"] in ENDING_EVENTS:  # names a forward logged before it: no new run
+            log.endings.append(ForwardRecord(run, number, data))
             continue
         if last_forward is None or data["forward"] <= last_forward:
             run += 1
@@ -110,6 +116,12 @@ def _shape_problem(data: dict) -> str | None:
         if len(seg["rows"]) != 2 or len(seg["positions"]) != 2:
             return f"segment {i}: rows and positions must be [start, end)"
     return None
+
+
+def _ending_shape_problem(data: dict) -> str | None:
+    wanted = ("forward",) if data["event"] == "engine.drained" else ("question_id", "forward", "drafted", "accepted")
+    wrong = [key for key in wanted if not isinstance(data.get(key), str if key == "question_id" else int)]
+    return f"{data['event']} record lacks {', '.join(wrong)} (or not as a string / int)" if wrong else None
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -136,7 +148,8 @@ def check_log(log: AuditLog) -> CheckReport:
     a block held by two questions in one forward (read-only shared-prefix blocks excepted), a question
     in two segments, and each question's positions continuing from where its previous forward left
     them (or restarting at 0 after a preemption); with speculative decoding, that every draft came from
-    its own question's tokens (observe/draft_provenance.py)."""
+    its own question's tokens and was reported verified, by the question's next segment or by its
+    `question.verified` record (observe/draft_provenance.py)."""
     from engine.audit import violations  # imports torch: only when checking, not on every `kev` start
 
     report = CheckReport(forwards=len(log.records), runs=log.runs)
@@ -144,7 +157,10 @@ def check_log(log: AuditLog) -> CheckReport:
     questions: set[tuple[int, str]] = set()
     last_end: dict[tuple[int, str], tuple[int, str, int]] = {}  # (run, qid) -> (kv_len, its forward, draft rows)
     from_start = {r.run for r in log.records if r.forward == 1}  # runs whose log begins at forward 1
-    for rec in log.records:
+    for rec in sorted(log.records + log.endings, key=lambda r: r.line):
+        if rec.data["event"] in ENDING_EVENTS:
+            report.problems += _ending_problems(report.drafts, rec, rec.run in from_start)
+            continue
         data, where = rec.data, rec.label
         found: list[str] = []
         if data.get("event") == "forward.isolation_violation":
@@ -192,6 +208,14 @@ def check_log(log: AuditLog) -> CheckReport:
             report.problems.append((where, problem))
     report.questions = len(questions)
     return report
+
+
+def _ending_problems(drafts: DraftLedger, rec: ForwardRecord, complete: bool) -> list[tuple[str, str]]:
+    if rec.data["event"] == "engine.drained":
+        where = f"engine.drained after {rec.label}"
+        return [(where, problem) for problem in drafts.drained(rec.run, rec.label)]
+    where = f"question.verified of {rec.label}"
+    return [(where, problem) for problem in drafts.ended(rec.run, rec.data, rec.label, complete)]
 
 
 def format_report(path: str, log: AuditLog, report: CheckReport) -> str:

@@ -15,7 +15,10 @@ history, from the log alone:
   in one forward (engine/audit.py), and that the K/V it reused (`kept`) sits in blocks no other question
   drafted from since this one last did;
 - `verified` (reported on the question's next segment) must name as many drafted tokens as the draft had,
-  accept no more than that, and agree with where the next forward starts (1 + accepted positions on).
+  accept no more than that, and agree with where the next forward starts (1 + accepted positions on);
+  a question that ends right after verifying a draft reports it in a `question.verified` record instead,
+  checked alike and naming the draft's forward. Once the engine logs `engine.drained` (every question has
+  ended), a draft still unreported is a problem; at the log's end one may belong to a question still running.
 
 Digests are 48-bit keyed hashes: equal tokens of one question give equal digests, unequal ones collide
 once in 2**48; tokens of two questions cannot be compared (nor need to be).
@@ -75,6 +78,32 @@ class DraftLedger:
         self.pending[key] = _Draft(start, draft.get("tokens", 0), method, where)
         return problems
 
+    def ended(self, run: int, record: dict, where: str, complete: bool) -> list[str]:
+        """A `question.verified` record: settles the question's last draft, which `where` (the label of the
+        record's forward) must name."""
+        key, qid = (run, record["question_id"]), record["question_id"]
+        last = self.pending.pop(key, None)
+        verified = {name: record.get(name) for name in ("drafted", "accepted", "rejected")}
+        if last is None:
+            if complete:
+                return [f"{qid}: reports a verified draft ({verified}) at its end, but has no draft left unreported"]
+            return []
+        problems = self._outcome(qid, verified, last)
+        if record["accepted"] < 0:
+            problems.append(f"{qid}: accepted {record['accepted']} draft tokens ({last.where})")
+        if where != last.where:
+            problems.append(f"{qid}: its question.verified record names {where}, but its last draft was in "
+                            f"{last.where}")
+        return problems
+
+    def drained(self, run: int, where: str) -> list[str]:
+        """`engine.drained`: every question of the run has ended, so every draft must have been reported."""
+        left = {key: draft for key, draft in self.pending.items() if key[0] == run}
+        for key in left:
+            del self.pending[key]
+        return [f"{qid}: its draft of {draft.tokens} tokens ({draft.where}) is never reported verified, though "
+                f"every question had ended by {where}" for (_, qid), draft in left.items()]
+
     def summary(self) -> str:
         parts = [f"{self.drafts} ({self.drafted_tokens} tokens, {self.accepted_tokens} accepted as reported)"]
         if self.lookups:
@@ -96,6 +125,15 @@ class DraftLedger:
             return []
         if verified is None:
             return [f"{qid}: its draft of {last.tokens} tokens ({last.where}) is never reported verified"]
+        accepted, problems = verified.get("accepted", 0), self._outcome(qid, verified, last)
+        if accepted <= last.tokens and start > last.start and start != last.start + 1 + accepted:  # not a restart
+            problems.append(f"{qid}: accepted {accepted} draft tokens ({last.where}), but its next forward starts "
+                            f"at {start}, not {last.start + 1 + accepted}")
+        return problems
+
+    def _outcome(self, qid: str, verified: dict, last: _Draft) -> list[str]:
+        """What a report of how `last` fared (a next segment's `verified`, or `question.verified`) must say:
+        as many drafted tokens as it had, no more accepted than that."""
         accepted, problems = verified.get("accepted", 0), []
         self.accepted_tokens += max(0, accepted)
         if verified.get("drafted") != last.tokens:
@@ -103,9 +141,6 @@ class DraftLedger:
                             f"({last.where}) had {last.tokens}")
         if accepted > last.tokens:
             problems.append(f"{qid}: accepted {accepted} draft tokens of the {last.tokens} drafted ({last.where})")
-        elif start > last.start and start != last.start + 1 + accepted:  # not a restart after preemption
-            problems.append(f"{qid}: accepted {accepted} draft tokens ({last.where}), but its next forward starts "
-                            f"at {start}, not {last.start + 1 + accepted}")
         return problems
 
     def _lookup(self, qid: str, seg: dict, history: dict[int, str], complete: bool) -> list[str]:
