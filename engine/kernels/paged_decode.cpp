@@ -173,6 +173,16 @@ static inline void add_values(const T* rows, const T* next, int64_t stride, int6
 }
 #endif
 
+#if defined(__AVX512F__)
+// One key's 16 lane products of q . k, summed over D / 16 vectors in order (lane_sums16 folds them).
+template <int D>
+static inline __m512 key_dot(const __m512 (&q)[D / 16], const float* key) {
+  __m512 lanes = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+  for (int c = 1; c < D / 16; ++c) lanes = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + c * 16), lanes);
+  return lanes;
+}
+#endif
+
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
 static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
@@ -185,18 +195,17 @@ static inline void score_keys(const float* query, const T* rows, const T* next, 
       fetch_row<T, D>(next ? next + j * stride : nullptr);
       key[j] = widen[j](rows + j * stride);
     }
+    // The query head's D values stay in registers across the 16 keys: GCC otherwise reloads them for
+    // every key, and the loads, not the multiplies, set the pace (a 1,000-token prompt's attention took
+    // 1.2x as long). Same operations in the same order: same bits.
     for (int g = 0; g < G; ++g) {
-      const float* qg = query + g * D;
+      __m512 qv[D / 16];
+      for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(query + g * D + c * 16);
       __m512 v[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= count) {
-          v[j] = _mm512_setzero_ps();
-          continue;
-        }
-        __m512 lanes = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key[j]));
-        for (int c = 16; c < D; c += 16)
-          lanes = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(key[j] + c), lanes);
-        v[j] = lanes;
+      if (count == 16) {  // a whole block: no test per key
+        for (int64_t j = 0; j < 16; ++j) v[j] = key_dot<D>(qv, key[j]);
+      } else {
+        for (int64_t j = 0; j < 16; ++j) v[j] = j < count ? key_dot<D>(qv, key[j]) : _mm512_setzero_ps();
       }
       _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1), lane_sums16(v));
     }
