@@ -11,11 +11,14 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import time
 
 import structlog
 import torch
 
 log = structlog.get_logger("kev.engine.extension")
+
+STALE_LOCK_S = 600.0  # ten builds' time: older, the lock's builder is gone
 
 
 def build(stem: str, sources: list[pathlib.Path], functions: list[str], cflags: tuple[str, ...]):
@@ -31,6 +34,7 @@ def build(stem: str, sources: list[pathlib.Path], functions: list[str], cflags: 
     try:
         from torch.utils.cpp_extension import load_inline  # pulls in setuptools: only when a build is needed
 
+        _clear_stale_lock(name)
         log.info("kernel.building", kernel=stem, note="once per machine, about a minute")
         return load_inline(name=name, cpp_sources=text, functions=functions, extra_cflags=list(cflags),
                            extra_ldflags=["-fopenmp"], verbose=False)
@@ -51,6 +55,22 @@ def _import_built(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build waits, without end, while its lock file exists: a process killed mid-build (a worker
+    stopped during its first start) would leave every later start waiting silently. A build takes about
+    a minute, so a lock older than STALE_LOCK_S has no live builder; it is removed and logged."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        log.warning("kernel.stale_lock_removed", kernel=name, lock=str(lock), age_s=round(age))
 
 
 def _build_key(text: str, cflags: tuple[str, ...]) -> str:
