@@ -76,6 +76,26 @@ def test_the_checks_catch_a_commit_before_the_ack_a_leak_and_a_differing_duplica
     assert result.final_commit_covers_all and not result.ok
 
 
+def test_a_question_the_producer_wrote_twice_is_covered_by_its_own_ack():
+    # The broker was SIGKILLed while q1's first send was in flight: that copy landed at offset 1, the
+    # producer heard nothing and sent q1 again (offset 2). A commit past offset 1 waits for q1's ack,
+    # which only reading the topic back can tell; an offset holding nothing the drill sent still fails.
+    sent = {"q0": (0, 0), "q1": (0, 2)}
+    answers = [(AnswerEvent(question_id=q, text="x", token_ids=(1,)), _Record(1000)) for q in sent]
+    log = "\n".join([
+        _line("published", "01.000000", kind="answers", question_id="q0"),
+        _line("published", "02.000000", kind="answers", question_id="q1"),
+        _line("committed", "02.500000", positions={"q-topic:0": 3}),
+        _line("engine_actor.stopped", "03.000000", kv_blocks_free=8, kv_blocks_total=8),
+    ])
+    logs = {"w": ("terminated", 0, log)}
+    result = check_run(sent, answers, logs, {0: 3}, "q-topic", layout={0: {0: "q0", 1: "q1", 2: "q1"}})
+    assert result.commits_checked == 1 and not result.commits_before_ack and result.ok
+    unknown = check_run(sent, answers, logs, {0: 3}, "q-topic", layout={0: {0: "q0", 1: "stranger", 2: "q1"}})
+    assert unknown.commits_before_ack and "offset 1 (stranger)" in unknown.commits_before_ack[0]
+    assert not check_run(sent, answers, logs, {0: 3}, "q-topic").ok  # without the layout offset 1 is unknown
+
+
 def test_duplicates_are_bounded_by_what_the_killed_worker_answered_past_the_commit():
     from datetime import datetime, timezone
 

@@ -79,13 +79,15 @@ def log_events(text: str, event: str) -> list[dict]:
 def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, tuple[str, int | None, str]],
               committed: dict[int, int | None], questions_topic: str,
               killed: dict[str, tuple[str, datetime]] | None = None,
-              broker_killed_at: datetime | None = None) -> DrillResult:
+              broker_killed_at: datetime | None = None,
+              layout: dict[int, dict[int, str]] | None = None) -> DrillResult:
     """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text);
     `killed`: SIGKILLed worker -> (its audit name, as answers carry it; when it was killed, UTC);
-    `broker_killed_at`: when the broker was SIGKILLed (UTC), if it was."""
+    `broker_killed_at`: when the broker was SIGKILLed (UTC), if it was; `layout`: partition -> offset ->
+    question id of every record on the questions topic as read back (default: the offsets in `sent`)."""
     result = DrillResult(questions=len(sent), answer_records=len(answers))
     _check_answers(result, sent, answers)
-    _check_commits(result, sent, logs, committed, questions_topic)
+    _check_commits(result, sent, logs, committed, questions_topic, layout)
     result.duplicate_allowance = {
         "worker_sigkill": _killed_worker_allowance(sent, answers, logs, questions_topic, killed or {}),
         "revocations": _revocation_allowance(sent, logs, questions_topic),
@@ -217,7 +219,8 @@ def _broker_restart_allowance(sent: dict, answers: list, logs: dict, killed_at: 
     return sum(1 for qid in sent_before if qid in sent and (qid not in acked or acked[qid] >= killed_at))
 
 
-def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str) -> None:
+def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict, topic: str,
+                   layout: dict[int, dict[int, str]] | None = None) -> None:
     acked = {}  # question_id -> earliest "published" time over every worker
     for _name, (_fate, _code, text) in logs.items():
         for line in _published(text):
@@ -227,6 +230,9 @@ def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict,
     by_offset = defaultdict(dict)  # partition -> offset -> question_id
     for qid, (partition, offset) in sent.items():
         by_offset[partition][offset] = qid
+    for partition, records in (layout or {}).items():  # a copy written twice answers to its question's ack
+        for offset, qid in records.items():
+            by_offset[partition].setdefault(offset, qid)
     for at, partition, position, worker in commits:
         result.commits_checked += 1
         for offset in range(position):

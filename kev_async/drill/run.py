@@ -27,7 +27,14 @@ from consumers import EmbeddedBroker, create_topics, topic_plan
 from consumers.route import RouteService
 from kev_async.drill.broker import BrokerRestart, drill_broker, restart_broker, restart_summary
 from kev_async.drill.checks import DrillResult, check_run, log_events
-from kev_async.drill.topics import committed, positions, publish_over_time, read_answers, until_committed
+from kev_async.drill.topics import (
+    committed,
+    positions,
+    publish_over_time,
+    read_answers,
+    records_on,
+    until_committed,
+)
 from kev_async.drill.workers import Workers
 from schemas import DEFAULT_MODEL, KafkaConfig
 
@@ -93,9 +100,11 @@ async def run_drill(options: DrillOptions, out=print) -> DrillResult:
         finally:
             run.workers.kill_left_running()
         final = await committed(kafka)
+        layout = await records_on(kafka)
     logs = {w.name: (w.fate, w.process.returncode, w.log()) for w in run.workers}
     result = check_run(run.sent, run.answers, logs, final, kafka.questions_topic, killed=run.killed,
-                       broker_killed_at=run.broker_restart.killed_at if run.broker_restart else None)
+                       broker_killed_at=run.broker_restart.killed_at if run.broker_restart else None,
+                       layout=layout)
     result.timeline = run.timeline
     result.broker_restart, held = restart_summary(run.broker_restart, run.answers, options.faults)
     result.ok = result.ok and held

@@ -83,6 +83,27 @@ async def positions(kafka: KafkaConfig, count: int) -> dict[str, tuple[int, int]
     return found
 
 
+async def records_on(kafka: KafkaConfig) -> dict[int, dict[int, str]]:
+    """partition -> offset -> question_id (the record key) of every record on the questions topic, up to
+    its end. A producer that resent a question after the broker's restart may have written it twice: the
+    first copy sits at an offset the producer never heard of, and the workers commit past it too."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    layout: dict[int, dict[int, str]] = {p: {} for p in range(kafka.partitions)}
+    try:
+        parts = [TopicPartition(kafka.questions_topic, p) for p in range(kafka.partitions)]
+        consumer.assign(parts)
+        ends = await consumer.end_offsets(parts)
+        with anyio.move_on_after(30):
+            while any(len(layout[tp.partition]) < ends[tp] for tp in parts):
+                for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+                    layout[tp.partition].update({r.offset: r.key.decode() if r.key else "" for r in records})
+    finally:
+        await consumer.stop()
+    return layout
+
+
 async def committed(kafka: KafkaConfig) -> dict[int, int | None]:
     """The group's committed position on each questions partition (None: nothing committed)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id,
