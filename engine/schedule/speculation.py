@@ -40,9 +40,7 @@ class Speculation:
         if not offers:
             return
         most = [room for _, room in offers] if model else [len(draft) for _, draft in offers]
-        kinds = [0 if model else draft_kind(self._step_origins[seq.question_id]) for seq, _ in offers]
-        lengths = (most if self.limits.speculative_policy == "always"
-                   else self._auto_lengths([seq for seq, _ in offers], kinds, most, model))
+        lengths = most if self.limits.speculative_policy == "always" else self._auto_lengths(offers, most, model)
         if model:
             asks = [(seq.question_id, seq.token_ids, k) for (seq, _), k in zip(offers, lengths) if k]
             drafts = self.drafter.draft_batch(asks) if asks else []
@@ -52,12 +50,13 @@ class Speculation:
         else:
             self._step_drafts = {seq.question_id: draft[:k] for (seq, draft), k in zip(offers, lengths) if k}
 
-    def _auto_lengths(self, seqs: list[Sequence], kinds: list[int], most: list[int], model: bool) -> list[int]:
+    def _auto_lengths(self, offers: list, most: list[int], model: bool) -> list[int]:
         """policy auto: as many drafts as raise the step's expected tokens per second (engine/speculate/cost.py)."""
         base_rows = min(self.limits.max_tokens_per_step, sum(seq.num_uncomputed for seq in self.running))
         self.draft_kinds.fade()
-        offers = [odds(seq, kind, self.draft_kinds, k) for seq, kind, k in zip(seqs, kinds, most)]
-        return draft_lengths(self.step_costs, base_rows, offers, getattr(self.drafter, "costs", None) if model else None)
+        chances = [odds(seq, 0 if model else draft_kind(self._step_origins[seq.question_id]), self.draft_kinds, k)
+                   for (seq, _), k in zip(offers, most)]
+        return draft_lengths(self.step_costs, base_rows, chances, getattr(self.drafter, "costs", None) if model else None)
 
     def _draft(self, seq: Sequence, length: int, budget: int, behind: int) -> tuple[int, ...]:
         """This step's drafts for a decoding question, with blocks for them taken already; () when it

@@ -230,15 +230,16 @@ def _check_commits(result: DrillResult, sent: dict, logs: dict, committed: dict,
     by_offset = defaultdict(dict)  # partition -> offset -> question_id
     for qid, (partition, offset) in sent.items():
         by_offset[partition][offset] = qid
+    read_past = {}  # partition -> the last offset read back: offsets below it that hold no record are gaps
     for partition, records in (layout or {}).items():  # a copy written twice answers to its question's ack
         for offset, qid in records.items():
             by_offset[partition].setdefault(offset, qid)
+        read_past[partition] = max(records, default=-1)
     for at, partition, position, worker in commits:
         result.commits_checked += 1
-        read_past = max((layout or {}).get(partition) or {-1: None})  # offsets below it that hold no record
         for offset in range(position):
             qid = by_offset[partition].get(offset)
-            if qid is None and offset < read_past:
+            if qid is None and offset < read_past.get(partition, -1):
                 continue  # no record there (a control record's offset): nothing to answer
             if qid is None or acked.get(qid) is None or acked[qid] > at:
                 result.commits_before_ack.append(f"{worker} committed {topic}:{partition}@{position} at {at} "

@@ -132,7 +132,7 @@ async def _drill(run: _Run) -> None:
                 await anyio.sleep(0.2)
         run.note(f"all {options.questions} questions answered")
         if options.route:  # where the router put each question: the positions the workers commit
-            run.sent = await positions(run.kafka, options.questions)
+            run.sent = await positions(run.kafka)
         # Answered is not settled: redelivered questions may still be answered again and committed.
         # Stop the workers once the group's commits cover every question (or say it never happened).
         settled = await until_committed(run.kafka, run.sent, timeout=120.0)

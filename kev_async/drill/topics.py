@@ -67,20 +67,11 @@ async def until_committed(kafka: KafkaConfig, sent: dict[str, tuple[int, int]], 
     return False
 
 
-async def positions(kafka: KafkaConfig, count: int) -> dict[str, tuple[int, int]]:
-    """question_id (the record key) -> (partition, offset) of every question on the questions topic."""
-    consumer = AIOKafkaConsumer(kafka.questions_topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
-    found = {}
-    try:
-        with anyio.move_on_after(30):
-            while len(found) < count:
-                for records in (await consumer.getmany(timeout_ms=200)).values():
-                    found.update({r.key.decode(): (r.partition, r.offset) for r in records})
-    finally:
-        await consumer.stop()
-    return found
+async def positions(kafka: KafkaConfig) -> dict[str, tuple[int, int]]:
+    """question_id (the record key) -> (partition, offset) of every question on the questions topic (its
+    last copy, where one was written twice)."""
+    layout = await records_on(kafka)
+    return {qid: (partition, offset) for partition, records in layout.items() for offset, qid in sorted(records.items())}
 
 
 async def records_on(kafka: KafkaConfig) -> dict[int, dict[int, str]]:
