@@ -11,7 +11,7 @@ kind move it. The tokens after the first follow the question's own running rate:
 first token right is copying text that really repeats.
 
 Plain numbers, no torch. The rates decide only which drafts are verified, never what is emitted: the
-engine-wide rate pools questions' outcomes for speed alone (docs/speculative.md, "Isolation").
+engine-wide rate pools questions' outcomes for speed alone (docs/speculative.md, "Policy").
 """
 
 from __future__ import annotations
