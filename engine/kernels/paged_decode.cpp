@@ -123,18 +123,26 @@ static inline float lanes_sum(const float* row, int64_t len) {
 // The lane sums of 16 vectors at once: element j of the result is v[j]'s 16 lanes added up. Folding
 // one vector at a time costs a chain of shuffles and adds per key; folding 16 together shares them.
 // Each key's lanes are added in one fixed tree, whatever the other 15 hold (zeros for a short block).
-static inline __m512 lane_sums16(const __m512 (&v)[16]) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: keys 2i and 2i+1, elements (0+2) and (1+3)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i .. 4i+3, that lane's sum
-    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // Then across the four 128-bit lanes: (lanes 0+1) + (lanes 2+3), landing keys 4i .. 4i+3 in lane i.
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+// The tree's first half needs only four keys (quad_sums), so a caller may fold keys four at a time and
+// finish the 16 later (lanes_of_quads): the same instructions on the same values, the same bits.
+static inline __m512 quad_sums(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  // per 128-bit lane: keys 2i and 2i+1, elements (0+2) and (1+3); then keys 4i .. 4i+3, that lane's sum
+  const __m512 low = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 high = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  const __m512d x = _mm512_castps_pd(low), y = _mm512_castps_pd(high);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Across the four 128-bit lanes of four quads: (lanes 0+1) + (lanes 2+3), landing keys 4i .. 4i+3 in lane i.
+static inline __m512 lanes_of_quads(__m512 q0, __m512 q1, __m512 q2, __m512 q3) {
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(q0, q1, 0x88), _mm512_shuffle_f32x4(q0, q1, 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(q2, q3, 0x88), _mm512_shuffle_f32x4(q2, q3, 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+static inline __m512 lane_sums16(const __m512 (&v)[16]) {
+  return lanes_of_quads(quad_sums(v[0], v[1], v[2], v[3]), quad_sums(v[4], v[5], v[6], v[7]),
+                        quad_sums(v[8], v[9], v[10], v[11]), quad_sums(v[12], v[13], v[14], v[15]));
 }
 #endif
 
@@ -183,12 +191,59 @@ static inline __m512 key_dot(const __m512 (&q)[D / 16], const float* key) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Registers for the G query heads' vectors in score_keys_shared: with G x 4 lanes, a key and temporaries,
+// more would spill.
+constexpr int SHARED_KEY_REGS = 12;
+
+// score_keys for all G query heads in one pass, each key loaded (and widened) once for the G of them,
+// where the G heads' D values fit in registers. Keys go four at a time through the first half of the
+// fold, so only G x 4 lane vectors are live, not G x 16; the same operations in the same order: same bits.
+template <typename T, int D, int G>
+static inline void score_keys_shared(const float* query, const T* rows, const T* next, int64_t stride,
+                                     int64_t count, float* out, int64_t len) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(query + g * D + c * 16);
+  alignas(64) float quads[G][4][16];  // the fold's halfway sums, kept in L1: registers hold q and keys
+#pragma GCC unroll 4
+  for (int four = 0; four < 4; ++four) {
+    __m512 v[G][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = four * 4 + i;
+      if (j >= count) {
+        for (int g = 0; g < G; ++g) v[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      fetch_row<T, D>(next ? next + j * stride : nullptr);
+      __m512 key[C];
+      for (int c = 0; c < C; ++c) key[c] = load16(rows + j * stride + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 lanes = _mm512_mul_ps(qv[g][0], key[0]);
+        for (int c = 1; c < C; ++c) lanes = _mm512_fmadd_ps(qv[g][c], key[c], lanes);
+        v[g][i] = lanes;
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_store_ps(quads[g][four], quad_sums(v[g][0], v[g][1], v[g][2], v[g][3]));
+  }
+  for (int g = 0; g < G; ++g)
+    _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1),
+                          lanes_of_quads(_mm512_load_ps(quads[g][0]), _mm512_load_ps(quads[g][1]),
+                                         _mm512_load_ps(quads[g][2]), _mm512_load_ps(quads[g][3])));
+}
+#endif
+
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
 static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
                               float* out, int64_t len, Widen& as_float) {
 #if defined(__AVX512F__)
-  if constexpr (D % 16 == 0) {
+  if constexpr (D % 16 == 0 && G * (D / 16) <= SHARED_KEY_REGS) {
+    score_keys_shared<T, D, G>(query, rows, next, stride, count, out, len);
+    return;
+  } else if constexpr (D % 16 == 0) {
     AsFloat<T, D> widen[16];  // each key widened once for all G query heads (fp32 keys are read in place)
     const float* key[16];
     for (int64_t j = 0; j < count; ++j) {
