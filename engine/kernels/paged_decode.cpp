@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace paged {
@@ -235,6 +236,53 @@ static inline void score_keys_shared(const float* query, const T* rows, const T*
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Where a bf16 cache's scores take vdpbf16ps: the G heads' bf16 query vectors fit in registers.
+template <typename T, typename C, int D, int G>
+constexpr bool BF16_SCORES = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && D % 32 == 0 &&
+                             G * (D / 32) <= SHARED_KEY_REGS;
+
+// score_keys_shared for bf16 queries and keys on CPUs with AVX512_BF16: one vdpbf16ps adds two products
+// of bf16 values (exact in fp32) per lane, so a key takes D / 32 instructions per head, not D / 16, and
+// keys are never widened. The query is the model's own bf16 values; scale multiplies each finished score.
+template <int D, int G>
+static inline void score_keys_bf16(const c10::BFloat16* query, const c10::BFloat16* rows, const c10::BFloat16* next,
+                                   int64_t stride, int64_t count, float scale, float* out, int64_t len) {
+  constexpr int C = D / 32;
+  __m512bh qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(query + g * D + c * 32);
+  alignas(64) float quads[G][4][16];
+#pragma GCC unroll 4
+  for (int four = 0; four < 4; ++four) {
+    __m512 v[G][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = four * 4 + i;
+      if (j >= count) {
+        for (int g = 0; g < G; ++g) v[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      fetch_row<c10::BFloat16, D>(next ? next + j * stride : nullptr);
+      __m512bh key[C];
+      for (int c = 0; c < C; ++c) key[c] = (__m512bh)_mm512_loadu_si512(rows + j * stride + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 lanes = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], key[0]);
+        for (int c = 1; c < C; ++c) lanes = _mm512_dpbf16_ps(lanes, qv[g][c], key[c]);
+        v[g][i] = lanes;
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_store_ps(quads[g][four], quad_sums(v[g][0], v[g][1], v[g][2], v[g][3]));
+  }
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g)
+    _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1),
+                          _mm512_mul_ps(lanes_of_quads(_mm512_load_ps(quads[g][0]), _mm512_load_ps(quads[g][1]),
+                                                       _mm512_load_ps(quads[g][2]), _mm512_load_ps(quads[g][3])),
+                                        scales));
+}
+#endif
+
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
 static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
@@ -307,9 +355,18 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
   each_block(k, h0 * D, blocks, len, block_size, stride, v + blocks[0] * block_size * stride + h0 * D,
              [&](int64_t t0, const C* rows, int64_t count, const C* next) {
     for (int64_t h = 0; h < h1 - h0; ++h)
-      for (int64_t j = 0; j < count; j += 16)
+      for (int64_t j = 0; j < count; j += 16) {
+#if defined(__AVX512BF16__)
+        if constexpr (BF16_SCORES<T, C, D, G>) {
+          score_keys_bf16<D, G>(q + (first_head + h * G) * D, rows + j * stride + h * D,
+                                next ? next + j * stride + h * D : nullptr, stride, std::min<int64_t>(16, count - j),
+                                scale, scores + h * G * len + t0 + j, len);
+          continue;
+        }
+#endif
         score_keys<C, D, G>(query + h * G * D, rows + j * stride + h * D, next ? next + j * stride + h * D : nullptr,
                             stride, std::min<int64_t>(16, count - j), scores + h * G * len + t0 + j, len, as_float);
+      }
   });
   if (k_scales != nullptr)  // q . (s k) = s (q . k): one multiply per key, not D
     for (int64_t h = 0; h < h1 - h0; ++h)
