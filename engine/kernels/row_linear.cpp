@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__)
 #include <immintrin.h>  // declares every ISA's intrinsics; only the build's own are used
 #endif
@@ -183,6 +184,12 @@ inline void write(typename Isa::V (&acc)[R][P * Isa::PER], const Tile<X, W, Y>& 
       const int64_t col = t.col + p * PANEL;
       const int count = static_cast<int>(std::min<int64_t>(PANEL, t.cols - p * PANEL));
       if (count <= 0) continue;
+      if constexpr (std::is_same_v<Y, float>) {
+        if (count == PANEL) {  // straight into y: a memcpy per 64 bytes took 3% of a prompt-heavy fp32 run
+          for (int h = 0; h < Isa::PER; ++h) Isa::put(t.y + r * t.ldy + col + h * Isa::LANES, acc[r][p * Isa::PER + h]);
+          continue;
+        }
+      }
       for (int h = 0; h < Isa::PER; ++h) Isa::put(lanes + h * Isa::LANES, acc[r][p * Isa::PER + h]);
       store_row(lanes, t.y + r * t.ldy + col, count);
     }
