@@ -197,16 +197,12 @@ static inline __m512 key_dot(const __m512 (&q)[D / 16], const float* key) {
 // more would spill.
 constexpr int SHARED_KEY_REGS = 12;
 
-// score_keys for all G query heads in one pass, each key loaded (and widened) once for the G of them,
-// where the G heads' D values fit in registers. Keys go four at a time through the first half of the
-// fold, so only G x 4 lane vectors are live, not G x 16; the same operations in the same order: same bits.
-template <typename T, int D, int G>
-static inline void score_keys_shared(const float* query, const T* rows, const T* next, int64_t stride,
-                                     int64_t count, float* out, int64_t len) {
-  constexpr int C = D / 16;
-  __m512 qv[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(query + g * D + c * 16);
+// The pass both grouped score paths make over up to 16 keys for G query heads, each key read once for
+// the G of them: key_lanes(j, lanes) gives key j's 16 lane products per head, finish() turns a folded
+// score into the stored one. Keys go four at a time through the first half of the fold, so only G x 4
+// lane vectors are live, not G x 16; the same operations in the same order: same bits.
+template <int G, typename KeyLanes, typename Finish>
+static inline void fold_scores(int64_t count, float* out, int64_t len, KeyLanes&& key_lanes, Finish&& finish) {
   alignas(64) float quads[G][4][16];  // the fold's halfway sums, kept in L1: registers hold q and keys
 #pragma GCC unroll 4
   for (int four = 0; four < 4; ++four) {
@@ -214,25 +210,40 @@ static inline void score_keys_shared(const float* query, const T* rows, const T*
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const int64_t j = four * 4 + i;
-      if (j >= count) {
-        for (int g = 0; g < G; ++g) v[g][i] = _mm512_setzero_ps();
-        continue;
+      __m512 lanes[G];
+      if (j < count) {
+        key_lanes(j, lanes);
+      } else {
+        for (int g = 0; g < G; ++g) lanes[g] = _mm512_setzero_ps();
       }
-      fetch_row<T, D>(next ? next + j * stride : nullptr);
-      __m512 key[C];
-      for (int c = 0; c < C; ++c) key[c] = load16(rows + j * stride + c * 16);
-      for (int g = 0; g < G; ++g) {
-        __m512 lanes = _mm512_mul_ps(qv[g][0], key[0]);
-        for (int c = 1; c < C; ++c) lanes = _mm512_fmadd_ps(qv[g][c], key[c], lanes);
-        v[g][i] = lanes;
-      }
+      for (int g = 0; g < G; ++g) v[g][i] = lanes[g];
     }
     for (int g = 0; g < G; ++g) _mm512_store_ps(quads[g][four], quad_sums(v[g][0], v[g][1], v[g][2], v[g][3]));
   }
   for (int g = 0; g < G; ++g)
     _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1),
-                          lanes_of_quads(_mm512_load_ps(quads[g][0]), _mm512_load_ps(quads[g][1]),
-                                         _mm512_load_ps(quads[g][2]), _mm512_load_ps(quads[g][3])));
+                          finish(lanes_of_quads(_mm512_load_ps(quads[g][0]), _mm512_load_ps(quads[g][1]),
+                                                _mm512_load_ps(quads[g][2]), _mm512_load_ps(quads[g][3]))));
+}
+
+// score_keys for all G query heads in one pass, where the G heads' D values fit in registers: each key
+// is loaded (and widened) once for the G of them.
+template <typename T, int D, int G>
+static inline void score_keys_shared(const float* query, const T* rows, const T* next, int64_t stride,
+                                     int64_t count, float* out, int64_t len) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(query + g * D + c * 16);
+  fold_scores<G>(count, out, len, [&](int64_t j, __m512 (&lanes)[G]) {
+    fetch_row<T, D>(next ? next + j * stride : nullptr);
+    __m512 key[C];
+    for (int c = 0; c < C; ++c) key[c] = load16(rows + j * stride + c * 16);
+    for (int g = 0; g < G; ++g) {
+      lanes[g] = _mm512_mul_ps(qv[g][0], key[0]);
+      for (int c = 1; c < C; ++c) lanes[g] = _mm512_fmadd_ps(qv[g][c], key[c], lanes[g]);
+    }
+  }, [](__m512 score) { return score; });
 }
 #endif
 
@@ -252,34 +263,16 @@ static inline void score_keys_bf16(const c10::BFloat16* query, const c10::BFloat
   __m512bh qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(query + g * D + c * 32);
-  alignas(64) float quads[G][4][16];
-#pragma GCC unroll 4
-  for (int four = 0; four < 4; ++four) {
-    __m512 v[G][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const int64_t j = four * 4 + i;
-      if (j >= count) {
-        for (int g = 0; g < G; ++g) v[g][i] = _mm512_setzero_ps();
-        continue;
-      }
-      fetch_row<c10::BFloat16, D>(next ? next + j * stride : nullptr);
-      __m512bh key[C];
-      for (int c = 0; c < C; ++c) key[c] = (__m512bh)_mm512_loadu_si512(rows + j * stride + c * 32);
-      for (int g = 0; g < G; ++g) {
-        __m512 lanes = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], key[0]);
-        for (int c = 1; c < C; ++c) lanes = _mm512_dpbf16_ps(lanes, qv[g][c], key[c]);
-        v[g][i] = lanes;
-      }
-    }
-    for (int g = 0; g < G; ++g) _mm512_store_ps(quads[g][four], quad_sums(v[g][0], v[g][1], v[g][2], v[g][3]));
-  }
   const __m512 scales = _mm512_set1_ps(scale);
-  for (int g = 0; g < G; ++g)
-    _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1),
-                          _mm512_mul_ps(lanes_of_quads(_mm512_load_ps(quads[g][0]), _mm512_load_ps(quads[g][1]),
-                                                       _mm512_load_ps(quads[g][2]), _mm512_load_ps(quads[g][3])),
-                                        scales));
+  fold_scores<G>(count, out, len, [&](int64_t j, __m512 (&lanes)[G]) {
+    fetch_row<c10::BFloat16, D>(next ? next + j * stride : nullptr);
+    __m512bh key[C];
+    for (int c = 0; c < C; ++c) key[c] = (__m512bh)_mm512_loadu_si512(rows + j * stride + c * 32);
+    for (int g = 0; g < G; ++g) {
+      lanes[g] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], key[0]);
+      for (int c = 1; c < C; ++c) lanes[g] = _mm512_dpbf16_ps(lanes[g], qv[g][c], key[c]);
+    }
+  }, [&](__m512 score) { return _mm512_mul_ps(score, scales); });
 }
 #endif
 
