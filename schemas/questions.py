@@ -101,7 +101,7 @@ class InvalidQuestion(Exception):
         super().__init__(message)
         self.question_id = question_id
         self.request_id = request_id
-        self.code = code  # invalid_field | empty_prompt | unsupported_schema | too_large
+        self.code = code  # invalid_field | empty_prompt | unsupported_schema | too_large | not_utf8 | not_json
         self.message = message
 
 
@@ -150,7 +150,14 @@ def decode_question(
     _check_schema(question.schema, question.question_id, _bounded(question.request_id, limits))
     _check_bounds(question, limits)
     _check_prompt(question, limits.max_prompt_chars if max_prompt_chars is None else max_prompt_chars)
-    return _with_unknown_fields(question, data)
+    try:
+        return _with_unknown_fields(question, data)
+    except msgspec.DecodeError as error:
+        # The question decoder skips unknown keys unread; the key reader checks them, and an unknown key
+        # with bytes that are not UTF-8 fails only here. The question is named: an error answer.
+        bad = unparseable(data, error)
+        raise InvalidQuestion(question.question_id, _bounded(question.request_id, limits), bad.reason,
+                              bad.message) from None
 
 
 def _reject_oversized(data: bytes, max_bytes: int, limits: LimitsConfig) -> None:

@@ -7,7 +7,7 @@ InvalidControl. Any other exception would reach the consumer loop as a crash.
 from __future__ import annotations
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from schemas import (
@@ -110,6 +110,7 @@ def within_bounds(question: QuestionEvent, limits: LimitsConfig) -> None:
 
 @FUZZ
 @given(data=question_bytes, limits=LIMITS)
+@example(data=b'{"prompt":"!","\x80":0,"question_id":" "}', limits=SMALL)  # an unknown key that is not UTF-8
 def test_any_question_bytes_give_a_bounded_question_or_one_of_two_errors(data, limits):
     try:
         question = decode_question(data, limits=limits)
@@ -150,3 +151,16 @@ def test_any_control_bytes_give_a_bounded_command_or_invalid_control(data):
         assert event.path is None or len(event.path) <= 4096
         assert event.defaults is None or 0 < len(event.defaults) <= 16
         assert len(control_key(event)) <= 4 * ID_CHARS_CEILING + 200
+
+
+def test_an_unknown_key_that_is_not_utf8_gets_an_error_answer():
+    """The question decoder skips unknown keys unread; one with bytes that are not UTF-8 is still
+    answered (the question is named), never an exception the consumer loop does not expect."""
+    data = b'{"question_id":"q1","request_id":"r1","prompt":"hi","\x80\xff":0}'
+    try:
+        decode_question(data)
+    except InvalidQuestion as bad:
+        assert (bad.question_id, bad.request_id, bad.code) == ("q1", "r1", "not_utf8")
+        assert "byte" in bad.message
+    else:
+        raise AssertionError("decoded")
