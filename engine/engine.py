@@ -24,6 +24,7 @@ from engine.adapters.files import LoraAdapter
 from engine.core import EngineCore
 from engine.defaults import Defaults
 from engine.intake import QuestionRejected
+from engine.kernels.omp_pool import release_thread_pool
 from engine.options import EngineOptions
 from engine.output.answers import rejected_answer
 from engine.output.handle import Handle
@@ -83,6 +84,7 @@ class Engine:
         self.closed = False
 
     async def __aenter__(self) -> "Engine":
+        release_thread_pool()  # the math runs on the device thread: this thread's OpenMP workers would slow it
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._post = _loop_poster()

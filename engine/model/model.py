@@ -11,6 +11,7 @@ import torch
 from engine.deterministic.mode import math_mode
 from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
+from engine.kernels.omp_pool import release_thread_pool
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
 from engine.model.key_means import key_means
@@ -104,6 +105,7 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
         kernel()
+    release_thread_pool()  # steps run on another thread (the engine's device thread): engine/kernels/omp_pool.py
     return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)
 
 
