@@ -233,6 +233,7 @@ class Engine:
         self._deliver_from_thread(core.step())
         core.constraints.close()
         self._refuse_queued_calls()
+        release_thread_pool()  # this thread goes back to anyio's pool: its workers would slow the next engine's
 
     def _drain_commands(self, block_for: float | None) -> bool:
         """Apply every queued command, blocking up to `block_for` seconds (None = until one comes)."""

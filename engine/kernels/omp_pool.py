@@ -7,8 +7,9 @@ of the layer stack runs some 240 regions. A model loaded on one thread (the even
 and stepped on the engine's device thread leaves two pools. On 2 cores a decode step of 4 questions
 at 1,000 tokens then took 60-66 ms on another thread against 25-26 ms on the loading thread, and the
 load trace's decode steps ran at half speed. So the thread that loaded the model or built the core
-gives its pool back (OpenMP 5.0's omp_pause_resource_all) before the device thread starts; a later
-parallel region on it builds a fresh pool.
+gives its pool back (OpenMP 5.0's omp_pause_resource_all) before the device thread starts, and a
+device thread gives its own back when its engine closes (anyio keeps the thread for later work); a
+later parallel region on any of them builds a fresh pool.
 
 No torch import: it reads which OpenMP runtimes the process loaded from /proc/self/maps.
 """
