@@ -135,7 +135,7 @@ def test_auto_measures_its_table_and_keeps_every_greedy_answer(tiny_models, harn
     # Whether a draft pays is the measured table's call, and a busy host can price `count` rows plus
     # drafts above what they would gain. Where the table says a fresh question's odds (the prior) pay
     # at this many rows, auto must draft.
-    prior = [Odds(PRIOR_RATE, PRIOR_RATE, 4)] * count
+    prior = [Odds(PRIOR_RATE, PRIOR_RATE, auto.core.options.max_draft_tokens)] * count
     if accepted(on) > 0 and any(draft_lengths(costs, count, prior)):
         assert auto.core.scheduler.num_draft_tokens > 0
 
