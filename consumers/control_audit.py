@@ -7,7 +7,8 @@ is instead one consumer group, `<kafka.group_id>.control-audit`, that every work
 topic's single partition is assigned to one member at a time.
 
 - Dead letters: the member dead-letters each rejected record (its value, key and headers, plus the
-  dlq.* headers of consumers/messages.py with the reason), at least once: again if the partition
+  dlq.* headers of consumers/messages.py with the reason; a record the fetch guard could not read
+  comes with the raw bytes it could, record_guard.py), at least once: again if the partition
   moves to another member before the commit past it (see below for when that is held back).
 - Tombstones: the control topic is compacted and each cancel has its own key (`cancel:<question
   id>`), so without a tombstone (same key, null value) every cancel would stay on the topic for good
@@ -37,6 +38,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
+from consumers.clients import fetch, open_consumer, open_producer
 from consumers.control import CANCEL_MAX_AGE_S, ControlGate, Rejected, cancel_age_ms
 from consumers.messages import (
     HEADER_DLQ_MESSAGE,
@@ -45,7 +47,7 @@ from consumers.messages import (
     HEADER_DLQ_REASON,
     HEADER_DLQ_TOPIC,
 )
-from consumers.security import client_options
+from consumers.record_guard import printable_headers
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.consumers.control_audit")
@@ -99,33 +101,18 @@ class _Audit:
         self.healthy = False  # both clients started since the last failure
 
     async def run(self, poll_timeout_ms: int, consumer_options: Mapping[str, Any] | None) -> None:
-        cfg, security = self.cfg, client_options(self.cfg.security)
-        consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, group_id=audit_group(cfg),
-                                    enable_auto_commit=False, auto_offset_reset="earliest",
-                                    **security, **dict(consumer_options or {}))
-        consumer.subscribe([cfg.control_topic], listener=_Revoked(self, consumer))
-        # acks=all without idempotence, as the worker: Tansu rejects idempotent producers.
-        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
-                                    enable_idempotence=False, **security)
         self.forget(list(self.read_to))  # re-read from the group's commit, as any member would
-        try:
-            await producer.start()
-            await consumer.start()
+        async with open_producer(self.cfg) as producer, \
+                open_consumer(self.cfg, group_id=audit_group(self.cfg), **dict(consumer_options or {})) as consumer:
+            consumer.subscribe([self.cfg.control_topic], listener=_Revoked(self, consumer))
             self.healthy = True
             while True:
-                batch = await consumer.getmany(timeout_ms=poll_timeout_ms)
+                batch = await fetch(consumer, timeout_ms=poll_timeout_ms)
                 for records in batch.values():
                     for record in records:
                         await self._handle(consumer, producer, record)
                 await self._tombstone_due(producer)
                 await self._commit(consumer)
-        finally:
-            with anyio.move_on_after(5.0, shield=True):
-                for client in (consumer, producer):
-                    try:
-                        await client.stop()
-                    except Exception as error:  # noqa: BLE001 - stopping a client that never started
-                        log.debug("control.audit_stop_failed", error=repr(error))
 
     async def _handle(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, record: ConsumerRecord) -> None:
         tp = TopicPartition(record.topic, record.partition)
@@ -195,7 +182,7 @@ class _Revoked(ConsumerRebalanceListener):
 
 
 async def _dead_letter(producer: AIOKafkaProducer, topic: str, record: ConsumerRecord, why: Rejected) -> None:
-    headers = [*record.headers,
+    headers = [*printable_headers(record.headers),
                (HEADER_DLQ_REASON, why.reason.encode()), (HEADER_DLQ_MESSAGE, why.message.encode()),
                (HEADER_DLQ_TOPIC, record.topic.encode()), (HEADER_DLQ_PARTITION, str(record.partition).encode()),
                (HEADER_DLQ_OFFSET, str(record.offset).encode())]

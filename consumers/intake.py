@@ -6,6 +6,8 @@
 - a question_id being answered or answered recently → no second answer (see ledger.py)
 - an unsigned or forged record → served with its server-side fields cleared, or refused with an
   error answer (code "unsigned"), per kafka.trust (see trust.py)
+- a record the fetch guard could not read as sent (a header name that is not UTF-8, a broken batch:
+  record_guard.py) → the DLQ, with the raw bytes that could be read and the reason
 
 Backpressure: above the inbox's high watermark every assigned partition is paused; below the low
 watermark they resume. Paused partitions are not fetched, so memory stays bounded.
@@ -23,11 +25,13 @@ from aiokafka.structs import ConsumerRecord
 from anyio.streams.memory import MemoryObjectSendStream
 
 from consumers.backpressure import Watermarks
+from consumers.clients import fetch
 from consumers.committer import RevocationListener
 from consumers.ledger import Admission, QuestionLedger
 from consumers.messages import Inbound, Position
 from consumers.offsets import OffsetTracker
 from consumers.publisher import Publisher
+from consumers.record_guard import printable_headers, unreadable
 from consumers.trust import QuestionGate
 from schemas import (
     InvalidQuestion,
@@ -86,7 +90,7 @@ class Intake:
         used = self._apply_backpressure()
         # Fetch no more than the inbox has room for, so a send rarely waits on a slow engine.
         room = max(1, min(self.max_records, self.watermarks.high - used))
-        batch = await self.consumer.getmany(timeout_ms=self.poll_timeout_ms, max_records=room)
+        batch = await fetch(self.consumer, timeout_ms=self.poll_timeout_ms, max_records=room)
         self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
         self.fetched_at = time.time()
         epoch = self.listener.epoch
@@ -101,6 +105,9 @@ class Intake:
         self.tracker.track(position.partition_key, record.offset)
         self.counts["records"] += 1
         bound = log.bind(partition=record.partition, offset=record.offset)
+        if (broken := unreadable(record)) is not None:
+            await self._dead_letter_unreadable(record, broken, position, bound)
+            return
         try:
             question = decode_question(record.value if record.value is not None else b"", limits=self.limits)
             admitted = self.gate.admit(question, record.value, record.headers, bound)
@@ -128,6 +135,13 @@ class Intake:
                 # Stage stamps for `kev bench kafka --profile` (debug: free at the default level).
                 bound.debug("question_taken", question_id=question.question_id, fetched_at=self.fetched_at)
                 await self.questions_out.send(inbound)
+
+    async def _dead_letter_unreadable(self, record: ConsumerRecord, broken, position: Position, bound) -> None:
+        message = broken.message if broken.first_offset == record.offset else \
+            f"{broken.message} (stands for offsets {broken.first_offset} to {record.offset})"
+        bound.warning("dead_letter", reason=broken.reason, message=message)
+        await self.publisher.dead_letter(record.value, record.key, printable_headers(record.headers), position,
+                                         broken.reason, message)
 
     async def _refuse(self, question, message: str, position: Position, bound) -> None:
         if self._admit(question.question_id, position, bound):

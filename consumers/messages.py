@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from schemas import AnswerDelta, AnswerEvent, QuestionEvent
+from schemas import ANONYMOUS, AnswerDelta, AnswerEvent, Principal, QuestionEvent
 
 # Headers on every answer and delta.
 HEADER_SCHEMA = "schema"
@@ -57,6 +57,7 @@ class Inbound:
     # The record's timestamp (ms since the epoch; CreateTime unless the topic uses LogAppendTime): the
     # question's deadline counts from it, capped at "now" so a future stamp cannot extend it. None: none.
     published_ms: int | None = None
+    principal: Principal = ANONYMOUS  # who asked: the verified signing key and the tenant (schemas/principal.py)
 
     @property
     def position(self) -> Position:

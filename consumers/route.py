@@ -17,18 +17,19 @@ from typing import Any
 
 import anyio
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
 from consumers.broker import EMBEDDED
+from consumers.clients import fetch, open_consumer, open_producer
 from consumers.committer import Committer, RevocationListener
 from consumers.ledger import QuestionLedger
 from consumers.messages import Position
 from consumers.offsets import OffsetTracker
 from consumers.partitioner import Partitioner
 from consumers.publisher import Publisher
-from consumers.security import client_options
+from consumers.record_guard import printable_headers, unreadable
 from consumers.topics import create_topics, topic_configs, topic_plan
 from schemas import InvalidQuestion, KafkaConfig, UndecodableEvent, decode_question
 
@@ -64,33 +65,22 @@ class RouteService:
         await self._assigned.wait()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        cfg, security = self.cfg, client_options(self.cfg.security)
-        await create_topics(cfg.bootstrap_servers, {**topic_plan(cfg), self.intake_topic: cfg.partitions},
-                            cfg.security, configs=topic_configs(cfg))
-        consumer = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, group_id=self.group_id,
-                                    enable_auto_commit=False, auto_offset_reset="earliest",
-                                    **security, **self.consumer_options)
-        # acks=all without idempotence, as the worker: Tansu rejects idempotent producers.
-        producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", enable_idempotence=False,
-                                    **security)
-        committer = Committer(consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
-                              every=cfg.commit_every)
-        listener = RevocationListener(committer, on_assigned=self._assigned.set)
-        await producer.start()
-        try:
-            await consumer.start()
+        cfg = self.cfg
+        await create_topics(cfg, {**topic_plan(cfg), self.intake_topic: cfg.partitions}, configs=topic_configs(cfg))
+        async with open_producer(cfg, stop_timeout_s=self.shutdown_timeout) as producer, \
+                open_consumer(cfg, stop_timeout_s=self.shutdown_timeout, group_id=self.group_id,
+                              **self.consumer_options) as consumer:
+            committer = Committer(consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
+                                  every=cfg.commit_every)
+            listener = RevocationListener(committer, on_assigned=self._assigned.set)
+            consumer.subscribe([self.intake_topic], listener=listener)
             try:
-                consumer.subscribe([self.intake_topic], listener=listener)
                 await self._serve(consumer, producer, committer, listener, task_status)
             finally:
                 with anyio.move_on_after(self.shutdown_timeout, shield=True):
                     committed = await committer.commit()
                     log.info("route.stopping", committed=len(committed), in_flight=self.tracker.in_flight(),
                              **self.counts)
-                    await consumer.stop()
-        finally:
-            with anyio.move_on_after(self.shutdown_timeout, shield=True):
-                await producer.stop()
 
     async def _serve(self, consumer, producer, committer: Committer, listener: RevocationListener,
                      task_status: TaskStatus[None]) -> None:
@@ -114,7 +104,7 @@ class RouteService:
             tg.cancel_scope.cancel()
 
     async def _poll_once(self, consumer, producer, publisher: Publisher, listener: RevocationListener) -> None:
-        batch = await consumer.getmany(timeout_ms=100, max_records=self.max_records)
+        batch = await fetch(consumer, timeout_ms=100, max_records=self.max_records)
         if batch:
             await self._refresh_partitioner(producer)
         epoch = listener.epoch
@@ -128,6 +118,13 @@ class RouteService:
         source = Position(record.topic, record.partition, record.offset)
         self.tracker.track(source.partition_key, record.offset)
         self.counts["records"] += 1
+        if (broken := unreadable(record)) is not None:  # not forwarded: no producer can write its headers
+            log.warning("dead_letter", reason=broken.reason, message=broken.message, partition=record.partition,
+                        offset=record.offset)
+            self.counts["dead_letters"] += 1
+            await publisher.dead_letter(record.value, record.key, printable_headers(record.headers), source,
+                                        broken.reason, broken.message)
+            return
         headers = [*record.headers, (HEADER_ROUTE, self.strategy.encode())]
         try:
             question = decode_question(record.value if record.value is not None else b"", limits=self.cfg.limits)

@@ -1,5 +1,9 @@
 """Kev's topics and their partition counts, created if missing (an existing topic is left as it is).
 
+Every topic Kev creates (reply topics too) takes `kafka.replication_factor` (default -1: the broker's
+default.replication.factor) and, where set, `kafka.min_insync_replicas`: on a cluster of several brokers
+`acks=all` protects an answer only as far as these reach.
+
 The control topic is compacted (cleanup.policy=compact): its commands are keyed by what they change
 (schemas.control_key), so Kafka keeps the latest command per key for good and a replay at start-up
 stays short; with the default delete policy, adapters loaded a retention period ago would vanish at
@@ -11,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
 from aiokafka.errors import for_code
 
-from consumers.security import client_options
-from schemas import KafkaConfig, SecurityConfig
+from consumers.clients import open_admin
+from schemas import KafkaConfig
 
 _TOPIC_ALREADY_EXISTS = 36
 COMPACTED = {"cleanup.policy": "compact"}
@@ -37,30 +41,31 @@ def topic_configs(cfg: KafkaConfig) -> dict[str, dict[str, str]]:
     return {cfg.control_topic: COMPACTED}
 
 
-async def ensure_topics(cfg: KafkaConfig, *, replication_factor: int = 1) -> None:
-    await create_topics(cfg.bootstrap_servers, topic_plan(cfg), cfg.security, replication_factor=replication_factor,
-                        configs=topic_configs(cfg))
+def new_topics(cfg: KafkaConfig, topics: Mapping[str, int],
+               configs: Mapping[str, Mapping[str, str]] | None = None) -> list[NewTopic]:
+    """What Kev asks the broker to create: each topic with its partitions, the fleet's replication factor
+    and min.insync.replicas, and its own configs."""
+    durability = {} if cfg.min_insync_replicas is None else {"min.insync.replicas": str(cfg.min_insync_replicas)}
+    # -1 (the broker's default) is legal only beside a replica assignment, and an empty one says "none".
+    assignments = {} if cfg.replication_factor == -1 else None
+    return [NewTopic(name, partitions, cfg.replication_factor, replica_assignments=assignments,
+                     topic_configs={**durability, **(configs or {}).get(name, {})})
+            for name, partitions in topics.items()]
+
+
+async def ensure_topics(cfg: KafkaConfig) -> None:
+    await create_topics(cfg, topic_plan(cfg), configs=topic_configs(cfg))
 
 
 async def create_topics(
-    bootstrap_servers: str,
+    cfg: KafkaConfig,
     topics: Mapping[str, int],
-    security: SecurityConfig = SecurityConfig(),
     *,
-    replication_factor: int = 1,
     configs: Mapping[str, Mapping[str, str]] | None = None,  # topic name -> topic configs
 ) -> None:
     """Create each missing topic with its partition count; raise on any error but "already exists"."""
-    configs = configs or {}
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **client_options(security))
-    await admin.start()
-    try:
-        response = await admin.create_topics(
-            [NewTopic(name, partitions, replication_factor, topic_configs=dict(configs.get(name, {})))
-             for name, partitions in topics.items()]
-        )
-    finally:
-        await admin.close()
+    async with open_admin(cfg) as admin:
+        response = await admin.create_topics(new_topics(cfg, topics, configs))
     for topic, code, message, *_ in response.topic_errors:
         if code not in (0, _TOPIC_ALREADY_EXISTS):
             raise for_code(code)(f"creating topic {topic!r}: {message}")

@@ -18,7 +18,6 @@ partition is still polled).
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -28,12 +27,12 @@ from typing import Any
 import anyio
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from consumers.backpressure import Watermarks
 from consumers.broker import EMBEDDED
+from consumers.clients import open_consumer, open_producer
 from consumers.committer import Committer, RevocationListener
 from consumers.delivery import PublishFailed
 from consumers.intake import Intake
@@ -41,7 +40,6 @@ from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
 from consumers.offsets import OffsetTracker
 from consumers.publisher import Publisher
-from consumers.security import client_options
 from consumers.topics import ensure_topics
 from schemas import KafkaConfig
 
@@ -147,45 +145,32 @@ class KafkaWorker:
             raise failed from None
 
     async def _run(self, task_status: TaskStatus[None]) -> None:
-        self._build_clients()
+        cfg = self.cfg
         try:
             if self.create_topics:
-                await ensure_topics(self.cfg)
-            await self.producer.start()
-            try:
-                await self.consumer.start()
-                self.consumer.subscribe([self.cfg.questions_topic], listener=self.listener)
-                log.info("kafka_io_started", bootstrap=self.cfg.bootstrap_servers, group=self.cfg.group_id,
-                         topic=self.cfg.questions_topic)
-                await self._serve(task_status)
-            finally:
-                with anyio.move_on_after(self.shutdown_timeout, shield=True):
-                    committed = await self.committer.commit()
-                    log.info("kafka_io_stopping", committed=len(committed), in_flight=self.tracker.in_flight())
-                    await _quietly(self.consumer.stop())
+                await ensure_topics(cfg)
+            # A first try need not outlast the whole retry budget (aiokafka's default is 40 s).
+            async with open_producer(cfg, stop_timeout_s=self.shutdown_timeout,
+                                     **{"request_timeout_ms": min(40_000, cfg.publish_retry_ms),
+                                        **self.producer_options}) as self.producer, \
+                    open_consumer(cfg, stop_timeout_s=self.shutdown_timeout, group_id=cfg.group_id,
+                                  **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS,
+                                     **self.consumer_options}) as self.consumer:
+                self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
+                                           every=cfg.commit_every, debounce_s=self.commit_debounce_s)
+                self.listener = RevocationListener(self.committer, on_assigned=self._assigned.set)
+                self.consumer.subscribe([cfg.questions_topic], listener=self.listener)
+                log.info("kafka_io_started", bootstrap=cfg.bootstrap_servers, group=cfg.group_id,
+                         topic=cfg.questions_topic)
+                try:
+                    await self._serve(task_status)
+                finally:
+                    with anyio.move_on_after(self.shutdown_timeout, shield=True):
+                        committed = await self.committer.commit()
+                        log.info("kafka_io_stopping", committed=len(committed), in_flight=self.tracker.in_flight())
         finally:
-            with anyio.move_on_after(self.shutdown_timeout, shield=True):
-                await _quietly(self.producer.stop())
             self.questions_out.close()
             self.answers_in.close()
-
-    def _build_clients(self) -> None:
-        cfg, security = self.cfg, client_options(self.cfg.security)
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
-            auto_offset_reset="earliest", **security,
-            **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS, **self.consumer_options},
-        )
-        # acks=all without idempotence: Tansu rejects idempotent producers (InitProducerId).
-        self.producer = AIOKafkaProducer(**{
-            "bootstrap_servers": cfg.bootstrap_servers, "acks": "all", "enable_idempotence": False,
-            "max_request_size": cfg.max_request_size,
-            # A first try need not outlast the whole retry budget (aiokafka's default is 40 s).
-            "request_timeout_ms": min(40_000, cfg.publish_retry_ms), **security, **self.producer_options,
-        })
-        self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
-                                   every=cfg.commit_every, debounce_s=self.commit_debounce_s)
-        self.listener = RevocationListener(self.committer, on_assigned=self._assigned.set)
 
     def stop_intake(self) -> None:
         """Stop fetching and close the engine's inbox; run() ends once the engine's outbox closes."""
@@ -256,17 +241,3 @@ async def run_kafka_io(
 
 def _partitions(tps) -> frozenset[Partition]:
     return frozenset(Partition(tp.topic, tp.partition) for tp in tps)
-
-
-async def _quietly(stopping) -> None:
-    try:
-        await stopping
-    except KafkaError as error:
-        log.warning("kafka_stop_failed", error=repr(error))
-    except asyncio.CancelledError:
-        # With the broker gone, aiokafka's stop() awaits its own cancelled heartbeat task and passes that
-        # task's CancelledError on: not a cancel of ours, and it would hide why the loop stopped.
-        task = asyncio.current_task()
-        if task is None or task.cancelling():
-            raise
-        log.warning("kafka_stop_failed", error="a client task's cancellation leaked out of stop()")

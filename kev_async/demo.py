@@ -13,15 +13,17 @@ import time
 from functools import partial
 
 import anyio
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+import msgspec
 
+from consumers.clients import open_consumer, open_producer
+from consumers.record_guard import unreadable
 from kev_async.app import serve
 from kev_async.gateway.demo import demo_over_http
 from kev_async.gateway.exposure import with_session_trust_key
 from kev_async.observe.dashboard import DEFAULT_URL
 from kev_async.runtime.lifecycle import Shutdown
 from kev_async.sample_questions import QUESTIONS
-from schemas import KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
+from schemas import KafkaConfig, KevConfig, MetricsConfig, Params, QuestionEvent, decode_answer, encode
 
 BAD_EVENTS = [
     b"this is not JSON",  # undecodable: goes to the dead-letter topic unchanged
@@ -60,26 +62,21 @@ async def run_demo(cfg: KevConfig, shutdown: Shutdown, *, num_questions: int, ma
 
 async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent]) -> None:
     """`questions`, then BAD_EVENTS, to the questions topic; all acked by the broker on return."""
-    producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
-    await producer.start()
-    try:
+    async with open_producer(_kafka(cfg, servers)) as producer:
         for question in questions:
             await producer.send(cfg.kafka.questions_topic, encode(question), key=question.question_id.encode())
         for raw in BAD_EVENTS:
             await producer.send(cfg.kafka.questions_topic, raw)
         await producer.flush()
-    finally:
-        await producer.stop()
 
 
 async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
     """The answers topic from its start until `expected` answers: each printed through `out`, and counted."""
     summary = {"answers": 0, "errors": 0, "tokens": 0}
-    consumer = AIOKafkaConsumer(cfg.kafka.answers_topic, bootstrap_servers=servers, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
-    try:
+    async with open_consumer(_kafka(cfg, servers), cfg.kafka.answers_topic) as consumer:
         async for record in consumer:
+            if unreadable(record):
+                continue
             answer = decode_answer(record.value)
             summary["answers"] += 1
             summary["errors"] += answer.finish_reason == "error"
@@ -87,25 +84,22 @@ async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dic
             out(_line(answer))
             if summary["answers"] >= expected:
                 return summary
-    finally:
-        await consumer.stop()
     return summary
 
 
 async def _count(topic: str, servers: str, expected: int, timeout: float = 10.0) -> int:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=servers, group_id=None, auto_offset_reset="earliest",
-                                enable_auto_commit=False)
-    await consumer.start()
     seen = 0
-    try:
+    async with open_consumer(KafkaConfig(bootstrap_servers=servers), topic) as consumer:
         with anyio.move_on_after(timeout):
             async for _record in consumer:
                 seen += 1
                 if seen >= expected:
                     break
-    finally:
-        await consumer.stop()
     return seen
+
+
+def _kafka(cfg: KevConfig, servers: str) -> KafkaConfig:
+    return msgspec.structs.replace(cfg.kafka, bootstrap_servers=servers)
 
 
 def _metrics_line(metrics: MetricsConfig) -> str:

@@ -52,6 +52,7 @@ from schemas.config import (
 )
 from schemas.config_validation import ConfigError, config_from_dict
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
+from schemas.principal import ANONYMOUS, Principal, principal_of
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
 from schemas.response_format import (
     GrammarFormat,
@@ -66,6 +67,7 @@ from schemas.routing import RoutingStrategy
 from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
 __all__ = [
+    "ANONYMOUS",
     "DEFAULTS_KEYS",
     "DEFAULT_CONFIG",
     "DEFAULT_MODEL",
@@ -101,6 +103,7 @@ __all__ = [
     "MetricsConfig",
     "OverflowPolicy",
     "Params",
+    "Principal",
     "PrefixScope",
     "QuestionEvent",
     "RouterConfig",
@@ -134,4 +137,5 @@ __all__ = [
     "decode_question",
     "encode",
     "error_answer",
+    "principal_of",
 ]

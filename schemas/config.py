@@ -196,9 +196,18 @@ class KafkaConfig(_Section):
     # How long a question fetch may wait for records. Kafka answers a fetch as soon as a record is
     # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
     fetch_max_wait_ms: Positive = 500
+    # Every topic Kev creates (reply topics too): -1 = the broker's default.replication.factor.
+    replication_factor: Annotated[int, Meta(ge=-1, le=32)] = -1
+    # min.insync.replicas of the topics Kev creates; None = the broker's default. With acks=all an answer
+    # is acked once this many replicas hold it.
+    min_insync_replicas: Annotated[int, Meta(ge=1, le=32)] | None = None
     security: SecurityConfig = SecurityConfig()
     trust: TrustConfig = TrustConfig()
     limits: LimitsConfig = LimitsConfig()
+
+    def __post_init__(self) -> None:
+        if self.replication_factor == 0:
+            raise ValueError("replication_factor: 0 is not allowed (-1 = the broker's default, or 1 to 32)")
 
 
 class MetricsConfig(_Section):

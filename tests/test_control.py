@@ -205,7 +205,7 @@ async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_bro
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
     other_key = Signer("ops", "not-the-configured-secret")
-    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
+    await create_topics(kafka, {kafka.control_topic: 1})
     await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
         signed(action="load_adapter", name="a", path="/adapters/a"),
         signed_raw(b"{garbage"),
@@ -283,7 +283,7 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
         metrics=msgspec.structs.replace(cfg.metrics, port=0))
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
     bootstrap = kafka.bootstrap_servers
-    await create_topics(bootstrap, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
 
     # On the topics before the worker starts: it applies the commands before it takes the question.
     await produce_records(bootstrap, kafka.control_topic,

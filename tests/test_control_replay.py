@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 import anyio
+import msgspec
 import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures")
@@ -77,7 +78,7 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
     signer = Signer.from_config(TRUST)
-    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
+    await create_topics(kafka, {kafka.control_topic: 1})
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
     await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
         control_record(ControlEvent(action="load_adapter", name=ADAPTER, path=ADAPTER), signer),  # under the root
@@ -134,7 +135,7 @@ async def test_a_reader_sends_no_old_cancel_on_as_live_and_skips_tombstones(kafk
     from consumers import create_topics, run_control_reader
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
-    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1})
+    await create_topics(kafka, {kafka.control_topic: 1})
     old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
     await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
                           [cancel("q-old-1"), cancel("q-old-2"), (b"cancel:q-gone", None, []), cancel("q-new")],
@@ -167,7 +168,7 @@ async def test_the_audit_tombstones_old_cancels_only_and_holds_its_commit_at_a_y
     from consumers.control_audit import audit_group
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
-    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+    await create_topics(kafka, {kafka.control_topic: 1, kafka.dlq_topic: 1})
     old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
     unsigned = (b"defaults:temperature", b'{"action":"update_defaults","defaults":{"temperature":2.0}}', [])
     offsets = await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
@@ -199,7 +200,7 @@ async def test_a_young_cancel_is_tombstoned_once_it_is_old_enough(kafka_broker):
     from consumers import create_topics, run_control_audit
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
-    await create_topics(kafka.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+    await create_topics(kafka, {kafka.control_topic: 1, kafka.dlq_topic: 1})
     await produce_stamped(kafka.bootstrap_servers, kafka.control_topic, [cancel("q-1")], [None])
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
@@ -232,7 +233,8 @@ async def test_the_audit_outlives_a_broker_that_is_away_and_then_does_its_work(l
             while len(named(logs, "control.audit_failed")) < 2:
                 await anyio.sleep(0.1)
             async with EmbeddedBroker(port=port) as broker:
-                await create_topics(broker.bootstrap_servers, {kafka.control_topic: 1, kafka.dlq_topic: 1})
+                await create_topics(msgspec.structs.replace(kafka, bootstrap_servers=broker.bootstrap_servers),
+                                    {kafka.control_topic: 1, kafka.dlq_topic: 1})
                 await produce_records(broker.bootstrap_servers, kafka.control_topic, [unsigned])
                 dead = await read_topic(broker.bootstrap_servers, kafka.dlq_topic, 1, timeout=40)
                 tg.cancel_scope.cancel()

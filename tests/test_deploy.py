@@ -83,7 +83,7 @@ async def publish(bootstrap: str, topic: str, ids: list[str]) -> None:
 async def test_multi_runs_two_pinned_workers_restarts_a_killed_one_and_drains_on_sigterm(
         kafka_broker, tiny_model_dir, tmp_path):
     kafka = kafka_config(kafka_broker, partitions=4)
-    await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     env = kev_env(KEV_DEPLOY__MODE="multi", KEV_DEPLOY__WORKERS="2", KEV_DEPLOY__RESTART_BACKOFF_S="0.2",
                   KEV_KAFKA__GROUP_ID=kafka.group_id, KEV_KAFKA__QUESTIONS_TOPIC=kafka.questions_topic,
                   KEV_KAFKA__ANSWERS_TOPIC=kafka.answers_topic, KEV_KAFKA__DELTAS_TOPIC=kafka.deltas_topic,

@@ -83,7 +83,7 @@ _batch = st.lists(_event, min_size=4, max_size=12)
 def stack(kafka_broker, tiny_model) -> Iterator[LiveStack]:
     cfg = stack_config(kafka_config(kafka_broker, partitions=2), metrics_port=free_port())
     cfg = replace(cfg, sampling={"max_new_tokens": 4})
-    anyio.run(create_topics, cfg.kafka.bootstrap_servers, topic_plan(cfg.kafka), backend="asyncio")
+    anyio.run(create_topics, cfg.kafka, topic_plan(cfg.kafka), backend="asyncio")
     with live_stack(cfg, tiny_model) as running:
         yield running
 

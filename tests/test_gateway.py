@@ -357,7 +357,7 @@ async def test_deltas_follow_the_questions_reply_topic(kafka_broker, anyio_backe
     kafka = stack_config(kafka_config(kafka_broker, partitions=1)).kafka  # with the trust key the gateway signs with
     question = {"question_id": "s1", "prompt": "hi", "stream": True,
                 "reply_topic": f"kev.replies.{kafka.answers_topic}"}
-    await create_topics(kafka.bootstrap_servers, {question["reply_topic"]: 1})
+    await create_topics(kafka, {question["reply_topic"]: 1})
     async with running_worker(kafka):
         await produce_signed(kafka.bootstrap_servers, kafka.questions_topic, [msgspec.json.encode(question)], QUESTION)
         replies = await replies_for(kafka.bootstrap_servers, question["reply_topic"], "s1")

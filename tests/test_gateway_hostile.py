@@ -351,7 +351,7 @@ def unanswered(kafka_broker) -> Iterator[LiveStack]:
     """A gateway on topics no worker reads: its questions wait, holding their tenant's slots. Cap: 2."""
     cfg = stack_config(kafka_config(kafka_broker), api_keys={API_KEY: TENANT, OTHER_KEY: OTHER},
                        max_concurrent_per_tenant=2, request_timeout_ms=60_000)
-    run(create_topics, cfg.kafka.bootstrap_servers, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
+    run(create_topics, cfg.kafka, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
     with live_stack(cfg, worker=False) as running:
         yield running
 
@@ -385,7 +385,7 @@ def test_a_publish_not_acked_in_time_is_a_503_and_cancelled(kafka_broker):
     """publish_timeout_ms 1: the broker is up but its ack comes too late. The question may still land on the
     questions topic, so the gateway cancels it on kev.control, signed and keyed by its id."""
     cfg = stack_config(kafka_config(kafka_broker), publish_timeout_ms=1)
-    run(create_topics, cfg.kafka.bootstrap_servers, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
+    run(create_topics, cfg.kafka, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
     with live_stack(cfg, worker=False) as stack:
         for _ in range(20):
             response = post(stack.url, {"model": MODEL, "messages": SEA, "max_tokens": 1, "stream": True})
@@ -405,7 +405,7 @@ def test_a_question_too_large_for_the_broker_is_a_413_and_the_gateway_stays_heal
     """kafka.max_request_size 2,048: a 1,900-character prompt passes the gateway's own checks but not the
     producer's record limit. That is this request's fault, not the broker's: 413, /health still ok."""
     cfg = stack_config(kafka_config(kafka_broker, max_request_size=2048))
-    run(create_topics, cfg.kafka.bootstrap_servers, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
+    run(create_topics, cfg.kafka, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
     with live_stack(cfg, worker=False) as stack:
         with ExitStack() as held:  # published and acked (no worker answers it): the broker works
             assert _open_stream(held, stack.url, API_KEY).status_code == 200

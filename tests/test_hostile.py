@@ -114,7 +114,7 @@ def _qid(value: bytes) -> bytes | None:
 async def test_hostile_records_end_in_their_outcome_and_both_workers_keep_consuming(
         kafka_broker, tiny_model_dir, tmp_path):
     kafka = kafka_config(kafka_broker, partitions=2)
-    await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     reader = AnswerReader(kafka.bootstrap_servers, kafka.answers_topic)
     ports = [free_port(), free_port()]
     trust_env = {"KEV_KAFKA__TRUST__KEYS": msgspec.json.encode(TRUST.keys).decode()}

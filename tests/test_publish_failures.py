@@ -153,7 +153,7 @@ async def test_a_refused_answers_topic_is_retried_then_the_worker_stops_and_comm
     # path of an answers topic that stays unavailable: retried for publish_retry_s, then PublishFailed.
     cfg = kafka_config(kafka_broker, partitions=1, answers_topic="answers topic that cannot be")
     bootstrap = kafka_broker.bootstrap_servers
-    await create_topics(bootstrap, {cfg.questions_topic: 1})
+    await create_topics(cfg, {cfg.questions_topic: 1})
     questions_out, questions_in = anyio.create_memory_object_stream[Inbound](16)
     answers_out, answers_in = anyio.create_memory_object_stream[Outbound](16)
     worker = KafkaWorker(cfg, questions_out, answers_in, consumer_options=FAST_GROUP, create_topics=False,
@@ -398,7 +398,7 @@ async def test_kev_serve_goes_on_after_an_oversized_answer_and_a_900_kb_request_
                                                                                  tmp_path):
     kafka = kafka_config(kafka_broker, partitions=1)
     bootstrap = kafka.bootstrap_servers
-    await create_topics(bootstrap, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     env = serve_env(kafka, KEV_KAFKA__MAX_REQUEST_SIZE="4096")
     with kev_processes() as children:
         kev = KevProcess(["serve", "--model", str(tiny_model_dir), "--bootstrap-servers", bootstrap], env,
@@ -427,7 +427,7 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
     broker = EmbeddedBroker()
     await broker.astart()
     kafka = kafka_config(broker, partitions=1)
-    await create_topics(broker.bootstrap_servers, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     port = free_port()
     env = serve_env(kafka, KEV_KAFKA__PUBLISH_RETRY_MS="2000", KEV_METRICS__PORT=str(port))
     try:

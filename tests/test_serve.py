@@ -151,7 +151,7 @@ async def test_kev_serve_drains_and_exits_0_on_sigterm(kafka_broker, tiny_model_
     # One partition and one record batch: the fetch that brings any of the second batch brings all of it,
     # so once one of them is answered the worker has taken every one, and SIGTERM must not lose any.
     kafka = kafka_config(kafka_broker, partitions=1)
-    await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     reader = AnswerReader(kafka.bootstrap_servers, kafka.answers_topic)
     drain_deadline = 30.0
     with kev_processes() as children:
@@ -198,7 +198,7 @@ async def test_kev_serve_drains_and_exits_0_on_sigterm(kafka_broker, tiny_model_
 @pytest.mark.kafka
 async def test_two_workers_one_killed_survivor_answers_everything(kafka_broker, tiny_model_dir, tmp_path):
     kafka = kafka_config(kafka_broker, partitions=4)
-    await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+    await create_topics(kafka, topic_plan(kafka))
     reader = AnswerReader(kafka.bootstrap_servers, kafka.answers_topic)
     # Two questions at a time, 96 tokens each: a worker's ~20 questions take ten rounds of ~100 steps,
     # so the kill lands mid-work.

@@ -199,7 +199,7 @@ async def test_control_commands_must_be_signed_and_adapters_come_from_the_root(
 
     unsigned_defaults = command(action="update_defaults", defaults={"temperature": 2.0})[:2] + ([],)
     forged_load = control_record(ControlEvent(action="load_adapter", name="x", path="good"), IMPOSTOR)
-    await create_topics(cfg.bootstrap_servers, {cfg.control_topic: 1, cfg.dlq_topic: 1})
+    await create_topics(cfg, {cfg.control_topic: 1, cfg.dlq_topic: 1})
     await produce_records(cfg.bootstrap_servers, cfg.control_topic, [
         unsigned_defaults, forged_load,
         command(action="load_adapter", name="good", path="good"),

@@ -214,48 +214,45 @@ def _worker_processes(count: int, model, kafka_cfg):
 
 async def _publish_and_read(kafka_cfg, questions: list[QuestionEvent], offsets: list[float], run: PathRun,
                             workers: int) -> None:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # not for `kev --help`
+    from consumers.clients import open_consumer, open_producer  # not for `kev --help`
 
     published: dict[str, float] = {}  # time.time(): the answer record's timestamp is on the same clock
-    producer = AIOKafkaProducer(bootstrap_servers=kafka_cfg.bootstrap_servers, acks="all", linger_ms=0)
     # The reader stands in for a downstream service on another machine: it fetches lazily, so its own CPU
     # takes little from the worker's, and a question's latency ends at its answer's record timestamp (the
     # worker's producer stamps it when it sends; acked a few ms later), not when this reader gets to it.
-    consumer = AIOKafkaConsumer(kafka_cfg.answers_topic, bootstrap_servers=kafka_cfg.bootstrap_servers,
-                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
-                                fetch_max_wait_ms=READER_FETCH_WAIT_MS)
-    await producer.start()
-    await consumer.start()
-    try:
-        await _warm_up(producer, consumer, kafka_cfg, workers)
-        start, start_wall = time.monotonic(), time.time()
-        last_produced = start_wall
+    async with open_producer(kafka_cfg, linger_ms=0) as producer, \
+            open_consumer(kafka_cfg, kafka_cfg.answers_topic, fetch_max_wait_ms=READER_FETCH_WAIT_MS) as consumer:
+        await _read_trace(producer, consumer, kafka_cfg, questions, offsets, run, workers, published)
 
-        async def publish() -> None:
-            for question, offset in zip(questions, offsets):
-                await anyio.sleep_until(start + offset)
-                published[question.question_id] = time.time()
-                await producer.send(kafka_cfg.questions_topic, encode(question), key=question.question_id.encode())
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(publish)
-            while len(run.tokens) < len(questions):
-                batch = await consumer.getmany(timeout_ms=100)
-                read_at = time.time()
-                for record in (r for records in batch.values() for r in records):
-                    answer = decode_answer(record.value)
-                    qid = answer.question_id
-                    if qid in published and qid not in run.tokens:
-                        run.tokens[qid] = list(answer.token_ids)
-                        engine_s, produced = answer.timings.e2e_ms / 1000, record.timestamp / 1000
-                        run.latency_s[qid] = produced - published[qid]
-                        last_produced = max(last_produced, produced)
-                        run.stages[qid] = (produced - published[qid] - engine_s, engine_s, read_at - produced)
-                        run.answers[qid] = (published[qid], answer, produced)
-        run.seconds = last_produced - start_wall  # until the last answer was sent, as the engine's clock
-    finally:
-        await consumer.stop()
-        await producer.stop()
+async def _read_trace(producer, consumer, kafka_cfg, questions, offsets, run: PathRun, workers: int,
+                      published: dict[str, float]) -> None:
+    await _warm_up(producer, consumer, kafka_cfg, workers)
+    start, start_wall = time.monotonic(), time.time()
+    last_produced = start_wall
+
+    async def publish() -> None:
+        for question, offset in zip(questions, offsets):
+            await anyio.sleep_until(start + offset)
+            published[question.question_id] = time.time()
+            await producer.send(kafka_cfg.questions_topic, encode(question), key=question.question_id.encode())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(publish)
+        while len(run.tokens) < len(questions):
+            batch = await consumer.getmany(timeout_ms=100)
+            read_at = time.time()
+            for record in (r for records in batch.values() for r in records):
+                answer = decode_answer(record.value)
+                qid = answer.question_id
+                if qid in published and qid not in run.tokens:
+                    run.tokens[qid] = list(answer.token_ids)
+                    engine_s, produced = answer.timings.e2e_ms / 1000, record.timestamp / 1000
+                    run.latency_s[qid] = produced - published[qid]
+                    last_produced = max(last_produced, produced)
+                    run.stages[qid] = (produced - published[qid] - engine_s, engine_s, read_at - produced)
+                    run.answers[qid] = (published[qid], answer, produced)
+    run.seconds = last_produced - start_wall  # until the last answer was sent, as the engine's clock
 
 
 async def _warm_up(producer, consumer, kafka_cfg, workers: int, timeout_s: float = 300.0) -> None:

@@ -93,7 +93,7 @@ async def run_drill(options: DrillOptions, out=print) -> DrillResult:
     async with drill_broker(options) as broker:
         kafka = KafkaConfig(bootstrap_servers=broker.bootstrap_servers, group_id="kev-drill",
                             partitions=options.partitions, commit_interval_ms=200)
-        await create_topics(kafka.bootstrap_servers, topic_plan(kafka))
+        await create_topics(kafka, topic_plan(kafka))
         run = _Run(kafka, options, broker, out)
         try:
             await _drill(run)

@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable
 
 import anyio
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 
+from consumers.clients import fetch, open_consumer, open_producer
+from consumers.record_guard import unreadable
 from kev_async.sample_questions import QUESTIONS
 from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 
@@ -17,9 +19,7 @@ from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 async def publish_over_time(kafka: KafkaConfig, options, sent: dict[str, tuple[int, int]],
                             note: Callable[[str], None]) -> None:
     """options.questions questions, evenly over options.spread_s; `sent` gets each one's (partition, offset)."""
-    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", enable_idempotence=False)
-    await producer.start()
-    try:
+    async with open_producer(kafka) as producer:
         gap = options.spread_s / max(1, options.questions)
         chooser = random.Random(0)  # random, not cyclic: a cycle would line up with round_robin's own cycle
         topic = kafka.intake_topic if options.route else kafka.questions_topic
@@ -33,24 +33,16 @@ async def publish_over_time(kafka: KafkaConfig, options, sent: dict[str, tuple[i
             sent[qid] = (meta.partition, meta.offset)
             await anyio.sleep(max(0.0, begin + (i + 1) * gap - time.monotonic()))
         note(f"published {options.questions} questions over {time.monotonic() - begin:.1f}s")
-    finally:
-        await producer.stop()
 
 
 async def read_answers(kafka: KafkaConfig, answers: list, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
     """Every answer record, (AnswerEvent, record) in arrival order, appended to `answers` until cancelled."""
-    consumer = AIOKafkaConsumer(kafka.answers_topic, bootstrap_servers=kafka.bootstrap_servers,
-                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
-    task_status.started()
-    try:
+    async with open_consumer(kafka, kafka.answers_topic) as consumer:
+        task_status.started()
         while True:
-            batch = await consumer.getmany(timeout_ms=100)
+            batch = await fetch(consumer, timeout_ms=100)
             for records in batch.values():
-                answers.extend((decode_answer(record.value), record) for record in records)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await consumer.stop()
+                answers.extend((decode_answer(record.value), record) for record in records if not unreadable(record))
 
 
 async def until_committed(kafka: KafkaConfig, sent: dict[str, tuple[int, int]], timeout: float) -> bool:
@@ -78,29 +70,20 @@ async def records_on(kafka: KafkaConfig) -> dict[int, dict[int, str]]:
     """partition -> offset -> question_id (the record key) of every record on the questions topic, up to
     its end. A producer that resent a question after the broker's restart may have written it twice: the
     first copy sits at an offset the producer never heard of, and the workers commit past it too."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
     layout: dict[int, dict[int, str]] = {p: {} for p in range(kafka.partitions)}
-    try:
+    async with open_consumer(kafka) as consumer:
         parts = [TopicPartition(kafka.questions_topic, p) for p in range(kafka.partitions)]
         consumer.assign(parts)
         ends = await consumer.end_offsets(parts)
         with anyio.move_on_after(30):
             while any(len(layout[tp.partition]) < ends[tp] for tp in parts):
-                for tp, records in (await consumer.getmany(timeout_ms=200)).items():
-                    layout[tp.partition].update({r.offset: r.key.decode() if r.key else "" for r in records})
-    finally:
-        await consumer.stop()
+                for tp, records in (await fetch(consumer, timeout_ms=200)).items():
+                    layout[tp.partition].update({r.offset: r.key.decode("utf-8", "replace") if r.key else ""
+                                                 for r in records})
     return layout
 
 
 async def committed(kafka: KafkaConfig) -> dict[int, int | None]:
     """The group's committed position on each questions partition (None: nothing committed)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=kafka.group_id,
-                                enable_auto_commit=False)
-    await consumer.start()
-    try:
+    async with open_consumer(kafka, group_id=kafka.group_id) as consumer:
         return {p: await consumer.committed(TopicPartition(kafka.questions_topic, p)) for p in range(kafka.partitions)}
-    finally:
-        await consumer.stop()

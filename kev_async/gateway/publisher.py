@@ -19,7 +19,6 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
-from consumers.security import client_options
 from kev_async.gateway.errors import ApiError
 from schemas import ControlEvent, KafkaConfig, QuestionEvent, encode
 from schemas.control import control_key
@@ -44,28 +43,18 @@ class QuestionTooLarge(ApiError):
 
 
 class QuestionPublisher:
-    def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int, signer: Signer | None = None) -> None:
-        self.cfg, self.signer = cfg, signer
+    """Publishes through a started producer (`open_producer(cfg, **QuestionPublisher.producer_options(...))`)."""
+
+    def __init__(self, cfg: KafkaConfig, publish_timeout_ms: int, producer: AIOKafkaProducer,
+                 signer: Signer | None = None) -> None:
+        self.cfg, self.signer, self.producer = cfg, signer, producer
         self.timeout = publish_timeout_ms / 1000
-        self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all", linger_ms=0,
-                                         request_timeout_ms=max(1000, publish_timeout_ms),
-                                         max_request_size=cfg.max_request_size, **client_options(cfg.security))
-        self.healthy = False  # the last publish was acked
+        self.healthy = True  # the last publish was acked (the producer has started)
 
-    async def start(self) -> None:
-        try:
-            await self.producer.start()
-        except BaseException:
-            await self.stop()  # a producer that never started still holds its client
-            raise
-        self.healthy = True
-
-    async def stop(self) -> None:
-        with anyio.move_on_after(5.0, shield=True):
-            try:
-                await self.producer.stop()
-            except KafkaError as error:
-                log.warning("gateway.producer_stop_failed", error=repr(error))
+    @staticmethod
+    def producer_options(publish_timeout_ms: int) -> dict:
+        """A question goes out at once (no linger); a try lasts no longer than a request may wait."""
+        return {"linger_ms": 0, "request_timeout_ms": max(1000, publish_timeout_ms)}
 
     async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
         """Send (stamped `arrived_ms`, epoch ms) and wait for the broker's ack; BrokerUnavailable (503) when it

@@ -18,13 +18,12 @@ from contextlib import contextmanager
 import anyio
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from consumers import create_topics
-from consumers.security import client_options
+from consumers.clients import fetch, open_consumer
+from consumers.record_guard import unreadable
 from schemas import AnswerDelta, AnswerEvent, KafkaConfig, decode_answer, decode_delta
 
 log = structlog.get_logger("kev.gateway.replies")
@@ -100,27 +99,21 @@ class ReplyRouter:
 
     async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Create the reply topic, read it until cancelled; ready once the consumer has its partition."""
-        await create_topics(self.cfg.bootstrap_servers, {self.topic: 1}, self.cfg.security)
-        consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=self.cfg.bootstrap_servers, group_id=None,
-                                    auto_offset_reset="earliest", enable_auto_commit=False,
-                                    fetch_max_wait_ms=FETCH_MAX_WAIT_MS, **client_options(self.cfg.security))
-        await consumer.start()
-        try:
+        await create_topics(self.cfg, {self.topic: 1})
+        async with open_consumer(self.cfg, self.topic, fetch_max_wait_ms=FETCH_MAX_WAIT_MS) as consumer:
             while not consumer.assignment():
-                await consumer.getmany(timeout_ms=50)  # metadata for a topic made a moment ago
+                await fetch(consumer, timeout_ms=50)  # metadata for a topic made a moment ago
             log.info("gateway.replies_ready", topic=self.topic)
             task_status.started()
             while True:
-                batch = await consumer.getmany(timeout_ms=1000)
+                batch = await fetch(consumer, timeout_ms=1000)
                 for records in batch.values():
                     for record in records:
+                        if (broken := unreadable(record)) is not None:
+                            log.warning("gateway.reply_unreadable", offset=record.offset, reason=broken.reason,
+                                        message=broken.message)
+                            continue
                         self._route(record.value)
-        finally:
-            with anyio.move_on_after(5.0, shield=True):
-                try:
-                    await consumer.stop()
-                except KafkaError as error:
-                    log.warning("gateway.replies_stop_failed", error=repr(error))
 
     def _route(self, value: bytes | None) -> None:
         event = _decode(value or b"")

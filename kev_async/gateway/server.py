@@ -21,12 +21,11 @@ from typing import Any
 import anyio
 import structlog
 import uvicorn
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 
 from consumers import EMBEDDED
-from consumers.security import client_options
+from consumers.clients import open_admin, open_producer
 from kev_async.gateway.app import create_app
 from kev_async.gateway.auth import Authenticator
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
@@ -68,12 +67,13 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
                          "to the brokers the workers use; `kev demo --http` runs both on the embedded broker")
     auth = Authenticator.from_config(cfg.gateway)
     signer = check_exposure(cfg, keys_configured=auth.enabled)  # GatewayRefused: listen nowhere
-    publisher = QuestionPublisher(kafka, cfg.gateway.publish_timeout_ms, signer)
     replies = ReplyRouter(kafka, reply_topic_name())
-    gateway = Gateway(cfg, publisher, replies, ModelCatalog(served_model_name(cfg)), auth, GatewayMetrics())
-    await publisher.start()
+    timeout_ms = cfg.gateway.publish_timeout_ms
     try:
-        async with anyio.create_task_group() as tg:
+        async with open_producer(kafka, **QuestionPublisher.producer_options(timeout_ms)) as producer, \
+                anyio.create_task_group() as tg:
+            publisher = QuestionPublisher(kafka, timeout_ms, producer, signer)
+            gateway = Gateway(cfg, publisher, replies, ModelCatalog(served_model_name(cfg)), auth, GatewayMetrics())
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
@@ -88,7 +88,6 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
             await http_stopped.wait()
             tg.cancel_scope.cancel()  # the reply reader and the catalog
     finally:
-        await publisher.stop()
         await _delete_topic(kafka, replies.topic)
 
 
@@ -145,14 +144,11 @@ def socket_url(sock: socket.socket) -> str:
 async def _delete_topic(kafka: KafkaConfig, topic: str) -> None:
     """Each gateway start makes a reply topic; leave none behind (best effort, bounded)."""
     with anyio.move_on_after(3.0, shield=True):
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, **client_options(kafka.security))
         try:
-            await admin.start()
-            await admin.delete_topics([topic], timeout_ms=2000)
+            async with open_admin(kafka) as admin:
+                await admin.delete_topics([topic], timeout_ms=2000)
         except KafkaError as error:
             log.warning("gateway.reply_topic_not_deleted", topic=topic, error=repr(error))
-        finally:
-            await admin.close()
 
 
 def run_until_stopped(serve, drain_deadline: float, who: str) -> int:

@@ -3,12 +3,12 @@ client that reads their answers from a reply topic of its own, as the gateway do
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
 from consumers import create_topics
+from consumers.clients import open_consumer, open_producer
 from kev_async.gateway.replies import FETCH_MAX_WAIT_MS
 from schemas import Message, Params, QuestionEvent, decode_answer, encode
 from schemas.signing import QUESTION, Signer
@@ -22,18 +22,16 @@ class DirectClient:
         # Signed, and a reply topic of the allowed pattern: as the gateway's, or the worker would not reply there.
         self.signer = Signer.from_config(kafka.trust)
         self.topic = f"kev.replies.bench-{uuid.uuid4().hex[:8]}"
-        self.producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=0)
-        self.consumer = AIOKafkaConsumer(self.topic, bootstrap_servers=kafka.bootstrap_servers, group_id=None,
-                                         auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS)
+        self._clients = contextlib.AsyncExitStack()
 
     async def start(self) -> None:
-        await create_topics(self.kafka.bootstrap_servers, {self.topic: 1})
-        await self.producer.start()
-        await self.consumer.start()
+        await create_topics(self.kafka, {self.topic: 1})
+        self.producer = await self._clients.enter_async_context(open_producer(self.kafka, linger_ms=0))
+        self.consumer = await self._clients.enter_async_context(
+            open_consumer(self.kafka, self.topic, fetch_max_wait_ms=FETCH_MAX_WAIT_MS))
 
     async def stop(self) -> None:
-        await self.producer.stop()
-        await self.consumer.stop()
+        await self._clients.aclose()
 
     async def round(self, concurrency: int) -> list[float]:
         """`concurrency` questions published at once; each one's seconds from its send to its answer."""

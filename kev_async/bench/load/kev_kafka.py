@@ -9,8 +9,8 @@ from functools import partial
 
 import anyio
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from consumers.clients import open_consumer, open_producer
 from kev_async.app import serve
 from kev_async.bench.load.report import Outcome, SystemRun
 from kev_async.bench.load.trace import TraceQuestion, question_event
@@ -42,37 +42,36 @@ async def _kafka_trace(model, cfg, trace: list[TraceQuestion]) -> list[Outcome]:
     shutdown = Shutdown(drain_deadline=30)
     async with anyio.create_task_group() as tg:
         running = await tg.start(partial(serve, cfg, shutdown, model=model))
-        servers = running.bootstrap_servers
-        producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
-        # The client stands in for services on other machines: it fetches lazily, so its CPU takes little from
-        # the worker's on a small host, and times each delta and answer by its record's timestamp (when the
-        # worker sent it), not by when this reader got to it.
-        consumer = AIOKafkaConsumer(cfg.kafka.answers_topic, cfg.kafka.deltas_topic, bootstrap_servers=servers,
-                                    group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
-                                    fetch_max_wait_ms=READER_FETCH_WAIT_MS)
-        await producer.start()
-        await consumer.start()
+        kafka = msgspec.structs.replace(cfg.kafka, bootstrap_servers=running.bootstrap_servers)
         try:
-            reader = _KafkaReader(consumer, cfg.kafka.answers_topic)
-            tg.start_soon(reader.run)
-            # Warm-up: the consumer group's first assignment takes seconds; the trace starts after it.
-            warm = TraceQuestion("load-warm-up", 0.0, "Hi", None, 2, "short")
-            await _publish(producer, cfg, warm)
-            await reader.answered("load-warm-up").wait()
-            t0 = time.monotonic()
-            for q in trace:
-                await anyio.sleep_until(t0 + q.arrival_s)
-                await _publish(producer, cfg, q)
-            for q in trace:
-                await reader.answered(q.qid).wait()
-            outcomes = [Outcome.of_answer(q.qid, q.arrival_s, t0, reader.answers[q.qid], reader.first.get(q.qid),
-                                          reader.done[q.qid]) for q in trace]
+            # The client stands in for services on other machines: it fetches lazily, so its CPU takes little
+            # from the worker's on a small host, and times each delta and answer by its record's timestamp
+            # (when the worker sent it), not by when this reader got to it.
+            async with open_producer(kafka) as producer, \
+                    open_consumer(kafka, kafka.answers_topic, kafka.deltas_topic,
+                                  fetch_max_wait_ms=READER_FETCH_WAIT_MS) as consumer:
+                outcomes = await _run_trace(producer, consumer, cfg, trace, tg)
         finally:
-            await producer.stop()
-            await consumer.stop()
             shutdown.request("bench finished")
             tg.cancel_scope.cancel()  # the reader loops forever
     return outcomes
+
+
+async def _run_trace(producer, consumer, cfg, trace: list[TraceQuestion], tg) -> list[Outcome]:
+    reader = _KafkaReader(consumer, cfg.kafka.answers_topic)
+    tg.start_soon(reader.run)
+    # Warm-up: the consumer group's first assignment takes seconds; the trace starts after it.
+    warm = TraceQuestion("load-warm-up", 0.0, "Hi", None, 2, "short")
+    await _publish(producer, cfg, warm)
+    await reader.answered("load-warm-up").wait()
+    t0 = time.monotonic()
+    for q in trace:
+        await anyio.sleep_until(t0 + q.arrival_s)
+        await _publish(producer, cfg, q)
+    for q in trace:
+        await reader.answered(q.qid).wait()
+    return [Outcome.of_answer(q.qid, q.arrival_s, t0, reader.answers[q.qid], reader.first.get(q.qid),
+                              reader.done[q.qid]) for q in trace]
 
 
 async def _publish(producer, cfg, q: TraceQuestion) -> None:
