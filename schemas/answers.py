@@ -50,6 +50,10 @@ class Audit(Struct, frozen=True):
     # speculative decoding: draft tokens verified for it, and those kept (each copied from its own tokens)
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Who asked (schemas/principal.py): "<verified key id>/<tenant>", or "unsigned/-"; "" when not known
+    principal: str = ""
+    # This worker's attempt at the question (a redelivered question is a new attempt): its deltas carry the same
+    attempt: str = ""
 
 
 class AnswerEvent(Struct, frozen=True):
@@ -76,6 +80,9 @@ class AnswerDelta(Struct, frozen=True):
     seq: int
     text: str
     done: bool = False
+    # The worker's attempt at the question (its answer's audit.attempt). A question redelivered to another
+    # worker streams again under a new attempt, from seq 0: a reader relays one attempt's deltas only.
+    attempt: str = ""
 
 
 _ANSWER_DECODER = msgspec.json.Decoder(AnswerEvent)
