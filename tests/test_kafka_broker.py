@@ -90,3 +90,29 @@ async def test_a_worker_refuses_the_unresolved_embedded_address():
     send, receive = anyio.create_memory_object_stream(1)
     with pytest.raises(ValueError, match="embedded_kafka"):
         KafkaWorker(KafkaConfig(), send, receive)
+
+
+def test_every_topic_kev_creates_asks_for_the_configured_replication_and_min_insync_replicas():
+    from consumers.topics import new_topics, topic_configs, topic_plan
+
+    cfg = KafkaConfig(replication_factor=3, min_insync_replicas=2)
+    asked = {t.name: t for t in new_topics(cfg, topic_plan(cfg), topic_configs(cfg))}
+    assert {t.replication_factor for t in asked.values()} == {3}
+    assert {t.topic_configs["min.insync.replicas"] for t in asked.values()} == {"2"}
+    assert asked[cfg.control_topic].topic_configs["cleanup.policy"] == "compact"  # its own config kept
+    # By default the broker decides (-1 is valid on the wire only beside an empty replica assignment).
+    default = new_topics(KafkaConfig(), {"kev.replies.x": 1})[0]
+    assert (default.replication_factor, default.replica_assignments, default.topic_configs) == (-1, {}, {})
+
+
+@pytest.mark.anyio
+async def test_the_brokers_default_replication_creates_topics(kafka_broker):
+    cfg = kafka_config(kafka_broker, replication_factor=-1, min_insync_replicas=1)
+    await ensure_topics(cfg)
+    assert {cfg.questions_topic, cfg.control_topic} <= await list_topics(kafka_broker.bootstrap_servers)
+
+
+def test_the_embedded_broker_refuses_to_listen_beyond_the_loopback():
+    with pytest.raises(ValueError, match="loopback only"):
+        EmbeddedBroker(host="0.0.0.0")
+    EmbeddedBroker(host="::1")  # loopback in either family is fine
