@@ -94,6 +94,7 @@ class GuardedRecords:
         self._buffer = memoryview(data)
         self._pos = 0
         self._next = self._cut()
+        self._previous = None  # the batch handed out last: the next one's offsets start past its end
 
     def size_in_bytes(self) -> int:
         return len(self._buffer)
@@ -106,7 +107,9 @@ class GuardedRecords:
         if raw is None:
             return None
         self._next = self._cut()
-        return _batch(raw)
+        floor = self._previous.next_offset if self._previous is not None else 0
+        self._previous = _batch(raw, floor)
+        return self._previous
 
     def _cut(self) -> memoryview | None:
         """The next whole batch; None at the end, or before a partial batch (the fetcher asks for it again)."""
@@ -126,29 +129,43 @@ class GuardedRecords:
         return buffer[pos:end]
 
 
-def _batch(raw: memoryview):
+def _batch(raw: memoryview, floor: int):
+    """`floor`: where the previous batch of the response ended; no batch moves the fetcher back before it."""
     base = struct.unpack_from(">q", raw, 0)[0]
     magic = raw[_MAGIC_AT] if len(raw) > _MAGIC_AT else -1
     try:
         if magic >= 2 and len(raw) >= _V2_HEADER.size:
-            return _GuardedBatch(DefaultRecordBatch(raw), raw, base)
+            return _GuardedBatch(DefaultRecordBatch(raw), raw, base, floor)
         if magic in (0, 1) and len(raw) >= _LEGACY_MIN:
-            return _GuardedBatch(LegacyRecordBatch(raw, magic), raw, base)
+            return _GuardedBatch(LegacyRecordBatch(raw, magic), raw, base, floor)
     except Exception as error:  # noqa: BLE001 - whatever the reader thinks of it, the batch is broken
-        return _BrokenBatch(raw, base, "corrupt_batch", f"the batch header does not parse: {error!r}"[:500])
-    return _BrokenBatch(raw, base, "corrupt_batch", f"{len(raw)} bytes with magic {magic} is no record batch")
+        return _BrokenBatch(raw, base, floor, "corrupt_batch", f"the batch header does not parse: {error!r}"[:500])
+    return _BrokenBatch(raw, base, floor, "corrupt_batch", f"{len(raw)} bytes with magic {magic} is no record batch")
 
 
 class _GuardedBatch:
     """One batch read by aiokafka's reader; the records it cannot read are salvaged here instead."""
 
-    def __init__(self, inner, raw: memoryview, base: int) -> None:
+    def __init__(self, inner, raw: memoryview, base: int, floor: int) -> None:
         self._inner, self._raw, self._base = inner, raw, base
+        self._floor = floor  # the fetcher's position once this batch is read never falls below it
         self._broken: tuple[str, str] | None = None
         self._records: Iterator | None = None
+        self._last: int | None = None  # the last offset handed out
 
-    def __getattr__(self, name):  # producer_id, is_control_batch, next_offset, ...: the reader's own
+    def __getattr__(self, name):  # producer_id, is_control_batch, base_offset, ...: the reader's own
         return getattr(self._inner, name)
+
+    @property
+    def next_offset(self) -> int:
+        """Where the fetcher goes on from: past this batch, and never back (a lastOffsetDelta below its
+        records', or a base offset below an earlier batch's, would make it fetch the same records again)."""
+        after_last = -1 if self._last is None else self._last + 1
+        try:
+            claimed = self._inner.next_offset
+        except Exception:  # noqa: BLE001 - a legacy batch too broken to say
+            claimed = self._base + 1
+        return max(claimed, after_last, self._floor)
 
     def validate_crc(self) -> bool:
         if not self._inner.validate_crc():
@@ -165,17 +182,20 @@ class _GuardedBatch:
 
     def _read(self) -> Iterator:
         if self._broken is not None:
-            yield _standin(self._raw, self._base, self._last_offset(), *self._broken)
+            standin = _standin(self._raw, self._base, self._last_offset(), *self._broken)
+            self._last = standin.offset
+            yield standin
             return
-        last = None
         try:
             for record in self._inner:
-                last = record.offset
+                self._last = record.offset
                 yield record
             return
         except Exception as error:  # noqa: BLE001 - the reader gave up on this batch: salvage the rest here
             problem = error
-        yield from self._salvage(last, problem)
+        for record in self._salvage(self._last, problem):
+            self._last = record.offset
+            yield record
 
     def _salvage(self, after: int | None, problem: Exception) -> Iterator:
         first = self._base if after is None else after + 1
@@ -203,9 +223,9 @@ class _BrokenBatch:
     is_control_batch = False
     is_transactional = False
 
-    def __init__(self, raw: memoryview, base: int, reason: str, message: str) -> None:
+    def __init__(self, raw: memoryview, base: int, floor: int, reason: str, message: str) -> None:
         self.base_offset = base
-        self.next_offset = base + 1
+        self.next_offset = max(base + 1, floor)
         self._standin = _standin(raw, base, base, reason, message)
         self._given = False
 

@@ -9,6 +9,7 @@ its control audit and the gateway.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import anyio
@@ -160,9 +161,11 @@ def is_utf8(name: bytes) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("KEV_FUZZ_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches=batches_st, how=mutations)
 @example(batches=[([(b"v", [(BAD_NAME, b"x")])], 0)], how=[])
+@example(batches=[([(None, [])], 0)] * 3, how=[("flip", 0, 0)])  # a first base offset far ahead of the rest
+@example(batches=[([(None, []), (b"x", [])], 0)] * 2, how=[("flip", 23, 255), ("crc", 0, 0)])  # lastOffsetDelta < 0
 def test_no_fetch_response_raises_and_offsets_only_grow(batches, how):
     data, expected = build_fetch(batches)
     records = read_fetch(mutate(data, how))
