@@ -14,7 +14,8 @@ so the control topic has one partition (consumers.topics creates it so).
 Cancels (`action: cancel`) are skipped while catching up: they were meant for questions in flight
 then, and a question this worker takes later under the same id must not be cancelled by history.
 Only cancels that arrive once the reader is ready are sent on, and only while they are younger than
-`cancel_max_age_s` by their record timestamp (10 minutes): a cancel matters only while its question
+`cancel_max_age_s` (10 minutes) by their record timestamp and by their signed time (a cancel published
+again later keeps the time it was signed): a cancel matters only while its question
 may still run, and a reader that fell behind (or whose catch-up timed out) must not send history on
 as live cancels. The control audit tombstones each cancel once it is that old, so the compacted
 topic does not keep one record per cancelled question for good; a tombstone (a null value) is
@@ -25,14 +26,24 @@ identity: `kev serve` passes it on as the command's id, so an engine that has ap
 already skips it when the topic is replayed again (the control actor restarted): replay is
 idempotent, a load is not re-applied as a new adapter version.
 
-Only signed commands are applied: the record's value signed by a key in `kafka.trust` (purpose
-CONTROL), its key equal to `control_key(event)` (what it changes, so the compacted topic keeps the
-latest command per key). Publish with `control_record(event, signer)`. A record that is unsigned,
-forged, wrongly keyed or does not decode is logged (`control.skipped`, a structlog warning with its
-offset and reason) and skipped: a bad command never stops the reader, nor does a record the fetch
-guard could not read (record_guard.py: a header name that is not UTF-8, a broken batch). Dead letters
-for such records are not written here (every worker reads every record, so each would write one) but
-by `run_control_audit` (control_audit.py), once for the whole fleet.
+Only signed commands are applied: signed (schemas/signing.py) for this topic and record key by a key
+in `kafka.trust` whose scopes hold `control` (a cancel: `cancel`), its record key equal to
+`control_key(event)` (what it changes, so the compacted topic keeps the latest command per key). A
+command also carries a signed sequence number, and is applied only when that number is above the
+last applied for its record key (`Sequences`): a signed command published again later (a rollback
+to old defaults, an adapter unloaded again) is refused, at once and at every replay, since the
+replay goes in topic order. The same record again (same number, same value: a producer's retry, the
+audit's restore) is a duplicate, skipped quietly. Cancels carry their signing time instead and are
+not sequenced: an old one is ignored anyway (above). Publish with `send_control` or
+`control_record(event, signer, topic)`, whose numbers are the time in ms (schemas.signing.next_sequence),
+so they are above the last applied as long as the signers' clocks move forward.
+
+A record that is unsigned, forged, out of its key's scope, wrongly keyed, not above its key's last
+sequence, or does not decode is logged (`control.skipped`, a structlog warning with its offset and
+reason) and skipped: a bad command never stops the reader, nor does a record the fetch guard could
+not read (record_guard.py: a header name that is not UTF-8, a broken batch). Dead letters for such
+records are not written here (every worker reads every record, so each would write one) but by
+`run_control_audit` (control_audit.py), once for the whole fleet.
 """
 
 from __future__ import annotations
@@ -53,11 +64,12 @@ from consumers.clients import fetch, open_consumer
 from consumers.record_guard import unreadable
 from consumers.topics import COMPACTED, create_topics
 from schemas import ControlEvent, InvalidControl, KafkaConfig, control_key, decode_control, encode
-from schemas.signing import CONTROL, Signer, Verifier
+from schemas.signing import CANCEL, CONTROL, Purpose, Signer, Verification, Verifier
 
 log = structlog.get_logger("kev.consumers.control")
 
 CANCEL_MAX_AGE_S = 600.0  # a cancel older than this (record timestamp) is history: not sent on, tombstoned
+CANCEL_KEY_PREFIX = b"cancel:"  # a cancel's record key (control_key): signed for CANCEL, every other command CONTROL
 # Said with an unsigned command skipped: what an operator upgrading from unsigned control does about it.
 UNSIGNED_HINT = ("control commands are applied only when signed (kafka.trust): publish this command again, "
                  "signed (consumers.control.send_control with a key in kafka.trust)")
@@ -95,7 +107,7 @@ async def run_control_reader(
             try:
                 replayed = await reader.catch_up(catch_up_timeout)
                 log.info("control.reader_ready", topic=cfg.control_topic, replayed=replayed, skipped=reader.skipped,
-                         stale_cancels=reader.stale_cancels)
+                         duplicates=reader.duplicates, stale_cancels=reader.stale_cancels)
                 task_status.started(replayed)
                 while True:
                     await reader.poll_once()
@@ -109,16 +121,18 @@ class _ControlReader:
                  cancel_max_age_s: float = CANCEL_MAX_AGE_S) -> None:
         self.consumer, self.out, self.poll_timeout_ms, self.wrap = consumer, out, poll_timeout_ms, wrap
         self.gate = gate
+        self.sequences = Sequences()  # rebuilt by every replay, from the topic's first record
         self.cancel_max_age_ms = cancel_max_age_s * 1000
         self.sent = 0
         self.skipped = 0
+        self.duplicates = 0  # the same record again (same sequence, same value): not applied twice
         self.stale_cancels = 0  # cancels found while catching up or older than cancel_max_age_s, not sent
         self.replaying = True
 
     async def catch_up(self, timeout: float) -> int:
         """Read until the position reaches the highwater of every partition; returns how many were sent."""
         deadline = time.monotonic() + timeout
-        while not await self._caught_up():
+        while not await caught_up(self.consumer):
             if time.monotonic() > deadline:
                 log.warning("control.catch_up_timeout", timeout_s=timeout, replayed=self.sent,
                             assigned=len(self.consumer.assignment()))
@@ -133,37 +147,51 @@ class _ControlReader:
             for record in records:
                 if record.value is None:
                     continue  # a tombstone (control_audit.py): nothing to apply, nothing wrong
-                event = self._decode(record)
-                if event is not None and event.action == "cancel" and (self.replaying or self._stale(record)):
+                command = self._admit(record)
+                if command is None:
+                    continue
+                event = command.event
+                if event.action == "cancel" and (self.replaying or self._stale(record, command)):
                     self.stale_cancels += 1
                     if not self.replaying:
                         log.debug("control.cancel_stale", offset=record.offset, question_id=event.question_id)
-                elif event is not None:
+                else:
                     await self.out.send(self.wrap(event, record.offset))
                     self.sent += 1
 
-    def _stale(self, record: ConsumerRecord) -> bool:
-        return cancel_age_ms(record) > self.cancel_max_age_ms
+    def _stale(self, record: ConsumerRecord, command: Command) -> bool:
+        # By its record timestamp and by its signed time: a cancel published again keeps the time it was signed.
+        signed_age = time.time() * 1000 - command.stamp
+        return max(cancel_age_ms(record), signed_age) > self.cancel_max_age_ms
 
-    def _decode(self, record: ConsumerRecord) -> ControlEvent | None:
+    def _admit(self, record: ConsumerRecord) -> Command | None:
+        """The record's command if it is to be applied: it passed the gate and is above its key's sequence."""
         checked = self.gate.check(record)
-        if isinstance(checked, ControlEvent):
+        if isinstance(checked, Command):
+            checked = self.sequences.admit(record, checked)
+        if isinstance(checked, Command):
             return checked
+        if checked == DUPLICATE:
+            self.duplicates += 1
+            log.debug("control.duplicate", offset=record.offset, key=_shown(record.key))
+            return None
         log.warning("control.skipped", topic=record.topic, partition=record.partition, offset=record.offset,
                     reason=checked.reason, message=checked.message,
                     **({"key_id": checked.key_id} if checked.key_id else {}), **_unsigned_hint(checked, record))
         self.skipped += 1
         return None
 
-    async def _caught_up(self) -> bool:
-        assigned = self.consumer.assignment()
-        if not assigned:
-            return False  # no metadata for the topic yet
-        for tp in assigned:
-            highwater = self.consumer.highwater(tp)  # from the last fetch response; None before the first
-            if highwater is None or await self.consumer.position(tp) < highwater:
-                return False
-        return True
+
+async def caught_up(consumer: AIOKafkaConsumer) -> bool:
+    """Whether `consumer` has read every partition it holds up to the highwater of its last fetch."""
+    assigned = consumer.assignment()
+    if not assigned:
+        return False  # no metadata for the topic yet
+    for tp in assigned:
+        highwater = consumer.highwater(tp)  # from the last fetch response; None before the first
+        if highwater is None or await consumer.position(tp) < highwater:
+            return False
+    return True
 
 
 def cancel_age_ms(record: ConsumerRecord, now_ms: float | None = None) -> float:
@@ -189,15 +217,23 @@ def _unsigned_hint(checked: Rejected, record: ConsumerRecord) -> dict:
             **({"path": event.path} if event.path else {}), **({"defaults": event.defaults} if event.defaults else {})}
 
 
-def control_record(event: ControlEvent, signer: Signer) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
-    """(key, value, headers) of a signed command, as the control topic takes it."""
-    value = encode(event)
-    return control_key(event), value, signer.headers(value, CONTROL)
+def purpose_of(key: bytes | None) -> Purpose:
+    """What a control record is signed for: CANCEL under a cancel's key, CONTROL under any other. The gate
+    then holds the command to that key (wrong_key), so a cancel-only key can sign nothing but cancels."""
+    return CANCEL if key is not None and key.startswith(CANCEL_KEY_PREFIX) else CONTROL
+
+
+def control_record(event: ControlEvent, signer: Signer, topic: str, *,
+                   sequence: int | None = None) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) of a command signed for `topic`, as the control topic takes it. A command's
+    sequence number defaults to schemas.signing.next_sequence(); a cancel is stamped with the time."""
+    value, key = encode(event), control_key(event)
+    return key, value, signer.headers(purpose_of(key), topic, key, value, stamp=sequence)
 
 
 async def send_control(producer, topic: str, event: ControlEvent, signer: Signer):
     """Publish one signed command with a started AIOKafkaProducer and wait for its ack."""
-    key, value, headers = control_record(event, signer)
+    key, value, headers = control_record(event, signer, topic)
     return await producer.send_and_wait(topic, value, key=key, headers=headers)
 
 
@@ -205,29 +241,37 @@ async def send_control(producer, topic: str, event: ControlEvent, signer: Signer
 class Rejected:
     """Why a control record is not applied; `reason` goes to the dead letter's dlq.reason header."""
 
-    reason: str  # unsigned | forged | wrong_key | decode_crashed | InvalidControl's reasons
+    # unsigned | forged | unknown_key | out_of_scope | wrong_key | stale_sequence | decode_crashed |
+    # InvalidControl's reasons | the fetch guard's reasons
+    reason: str
     message: str
-    key_id: str | None = None  # the key a forged record named
+    key_id: str | None = None  # the key a signed, forged or out-of-scope record named
+
+
+@dataclass(frozen=True)
+class Command:
+    """A control record that passed the gate: its command, who signed it, and its signed stamp."""
+
+    event: ControlEvent
+    key_id: str
+    stamp: int  # the sequence number (a command) or the signing time in ms (a cancel)
 
 
 class ControlGate:
-    """The checks a control record passes before it is applied: signature, then decoding, then key."""
+    """The checks a control record passes before it is applied: signature (topic, key, scope), then decoding,
+    then its record key. The sequence number is checked against the history by `Sequences`."""
 
     def __init__(self, cfg: KafkaConfig) -> None:
         self.verifier = Verifier.from_config(cfg.trust)
         self.max_bytes = cfg.limits.max_control_bytes
 
-    def check(self, record: ConsumerRecord) -> ControlEvent | Rejected:
+    def check(self, record: ConsumerRecord) -> Command | Rejected:
         if (broken := unreadable(record)) is not None:  # never a command, whatever it says
             return Rejected(broken.reason, broken.message)
         value = record.value if record.value is not None else b""
-        verification = self.verifier.verify(value, record.headers, CONTROL)
-        if verification.verdict == "unsigned":
-            return Rejected("unsigned", "not signed: commands must carry kev-key-id and kev-signature headers "
-                                        "by a key in kafka.trust")
-        if verification.verdict == "forged":
-            return Rejected("forged", f"the signature does not match key {verification.key_id!r}",
-                            verification.key_id)
+        verification = self.verifier.verify(purpose_of(record.key), record.topic, record.key, value, record.headers)
+        if not verification.trusted:
+            return _untrusted(verification, self.verifier.knows(verification.key_id))
         try:
             event = decode_control(value, max_bytes=self.max_bytes)
         except InvalidControl as bad:
@@ -237,7 +281,51 @@ class ControlGate:
             return Rejected("decode_crashed", repr(error)[:1000])
         expected = control_key(event)
         if record.key != expected:
-            shown = record.key[:100] if record.key is not None else None
-            return Rejected("wrong_key", f"record key {shown!r} does not name what the command changes; "
-                                         f"expected {expected!r}")
-        return event
+            return Rejected("wrong_key", f"record key {_shown(record.key)!r} does not name what the command "
+                                         f"changes; expected {expected!r}")
+        return Command(event, verification.key_id or "", verification.stamp or 0)
+
+
+def _untrusted(verification: Verification, key_known: bool) -> Rejected:
+    if verification.verdict == "unsigned":
+        return Rejected("unsigned", "not signed: commands must carry kev-key-id and kev-signature headers "
+                                    "by a key in kafka.trust")
+    if not key_known:
+        return Rejected("unknown_key", f"signed by key {verification.key_id!r}, which is not in kafka.trust here "
+                                       "(removed in a rotation? see kev control resign)", verification.key_id)
+    return Rejected(verification.verdict, verification.reason, verification.key_id)  # forged | out_of_scope
+
+
+DUPLICATE = "duplicate"  # Sequences.admit: the record applied last for its key, again
+
+
+class Sequences:
+    """The last applied command of each record key: its sequence number, value and record. A command is
+    applied only when its number is above its key's last; the same number with the same value is the
+    same command again (DUPLICATE). Cancels are not sequenced (they carry their signing time)."""
+
+    def __init__(self) -> None:
+        self.last: dict[bytes, tuple[Command, ConsumerRecord]] = {}
+
+    def admit(self, record: ConsumerRecord, command: Command) -> Command | Rejected | str:
+        if command.event.action == "cancel":
+            return command
+        key = record.key or b""
+        if (last := self.last.get(key)) is not None and command.stamp <= last[0].stamp:
+            applied, applied_record = last
+            if command.stamp == applied.stamp and record.value == applied_record.value:
+                return DUPLICATE
+            return Rejected("stale_sequence", f"sequence {command.stamp} is not above {applied.stamp}, the last "
+                                              f"applied for {_shown(key)!r} (offset {applied_record.offset}): an "
+                                              "older command published again, or a signer whose clock is behind",
+                            command.key_id)
+        self.last[key] = (command, record)
+        return command
+
+    def current(self, key: bytes | None) -> tuple[Command, ConsumerRecord] | None:
+        """The command in force for `key` (the last applied) and its record, if any."""
+        return self.last.get(key or b"")
+
+
+def _shown(key: bytes | None) -> bytes | None:
+    return key[:100] if key is not None else None

@@ -1,5 +1,6 @@
 """The fleet's one-per-record chores on the control topic: dead letters for control records that will
-not be applied (unsigned, forged, wrongly keyed, not a command), and tombstones for old cancels.
+not be applied (unsigned, forged, out of scope, wrongly keyed, replayed, not a command), restores of
+the commands a replay would displace on the compacted topic, and tombstones for old cancels.
 
 Every worker's control reader reads every control record (no consumer group), so if readers did
 these, N workers would do each N times, and every restart would do them again on replay. The audit
@@ -10,6 +11,14 @@ topic's single partition is assigned to one member at a time.
   dlq.* headers of consumers/messages.py with the reason; a record the fetch guard could not read
   comes with the raw bytes it could, record_guard.py), at least once: again if the partition
   moves to another member before the commit past it (see below for when that is held back).
+- Restores: a signed command published again later (its sequence number not above its key's last,
+  control.py) is refused by every reader, but it is now the latest record under its key, so compaction
+  would keep it and drop the command in force: after compaction a restart would apply the old one.
+  The member publishes the command in force again, byte for byte (its signature still holds), right
+  after the replay; readers take that copy as a duplicate (not applied twice), and compaction keeps
+  it. To know which command is in force, the member reads the partition from its first record each
+  time it is assigned, as every reader does, and does its chores only from the group's committed
+  offset on.
 - Tombstones: the control topic is compacted and each cancel has its own key (`cancel:<question
   id>`), so without a tombstone (same key, null value) every cancel would stay on the topic for good
   and make every worker's catch-up longer. A tombstone must not remove a cancel before the workers
@@ -39,7 +48,15 @@ from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
 from consumers.clients import fetch, open_consumer, open_producer
-from consumers.control import CANCEL_MAX_AGE_S, ControlGate, Rejected, cancel_age_ms
+from consumers.control import (
+    CANCEL_KEY_PREFIX,
+    CANCEL_MAX_AGE_S,
+    Command,
+    ControlGate,
+    Rejected,
+    Sequences,
+    cancel_age_ms,
+)
 from consumers.messages import (
     HEADER_DLQ_MESSAGE,
     HEADER_DLQ_OFFSET,
@@ -51,7 +68,6 @@ from consumers.record_guard import printable_headers
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.consumers.control_audit")
-CANCEL_KEY_PREFIX = b"cancel:"
 
 
 def audit_group(cfg: KafkaConfig) -> str:
@@ -89,7 +105,8 @@ async def run_control_audit(
 
 
 class _Audit:
-    """One member's state: the cancels it read and has not tombstoned yet, and how far it read."""
+    """One member's state: the cancels it read and has not tombstoned yet, how far it read, and the command
+    in force per record key."""
 
     def __init__(self, cfg: KafkaConfig, cancel_max_age_s: float) -> None:
         self.cfg, self.gate = cfg, ControlGate(cfg)
@@ -98,13 +115,15 @@ class _Audit:
         self.stamps: dict[tuple[TopicPartition, int], float] = {}  # when each cancel may be tombstoned (ms)
         self.read_to: dict[TopicPartition, int] = {}  # the offset after the last record handled
         self.committed: dict[TopicPartition, int] = {}  # what this member last committed
+        self.chores_from: dict[TopicPartition, int] = {}  # the group's commit when assigned: chores start there
+        self.sequences = Sequences()  # the command in force per key, read from the first record
         self.healthy = False  # both clients started since the last failure
 
     async def run(self, poll_timeout_ms: int, consumer_options: Mapping[str, Any] | None) -> None:
-        self.forget(list(self.read_to))  # re-read from the group's commit, as any member would
+        self.forget({*self.read_to, *self.chores_from})  # start again as any member would
         async with open_producer(self.cfg) as producer, \
                 open_consumer(self.cfg, group_id=audit_group(self.cfg), **dict(consumer_options or {})) as consumer:
-            consumer.subscribe([self.cfg.control_topic], listener=_Revoked(self, consumer))
+            consumer.subscribe([self.cfg.control_topic], listener=_Rebalance(self, consumer))
             self.healthy = True
             while True:
                 batch = await fetch(consumer, timeout_ms=poll_timeout_ms)
@@ -114,8 +133,18 @@ class _Audit:
                 await self._tombstone_due(producer)
                 await self._commit(consumer)
 
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions) -> None:
+        """Read each assigned partition from its first record again; chores resume at the group's commit."""
+        self.sequences = Sequences()
+        for tp in partitions:
+            self.chores_from[tp] = await consumer.committed(tp) or 0
+            consumer.seek(tp, 0)
+
     async def _handle(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, record: ConsumerRecord) -> None:
         tp = TopicPartition(record.topic, record.partition)
+        if record.offset < self.chores_from.get(tp, 0):
+            self._judge(record)  # done by whoever audited it before: only learn which command is in force
+            return
         self.read_to[tp] = record.offset + 1
         if record.value is None:
             return  # a tombstone: compaction's marker, not a command
@@ -123,11 +152,34 @@ class _Audit:
             # Its due time counts from when it was published (or from now, if stamped in the future).
             self.cancels.setdefault(tp, {})[record.offset] = record.key
             self.stamps[(tp, record.offset)] = time.time() * 1000 - cancel_age_ms(record) + self.max_age_ms
-        checked = self.gate.check(record)
+        checked = self._judge(record)
         if isinstance(checked, Rejected):
             await _dead_letter(producer, self.cfg.dlq_topic, record, checked)
+            if checked.reason == "stale_sequence":
+                await self._restore(producer, record)
             # Past it at once (not the whole batch): a rebalance now must not send it twice.
             await self._commit(consumer)
+
+    def _judge(self, record: ConsumerRecord) -> Command | Rejected | str | None:
+        """What every reader makes of the record (None for a tombstone), with the command in force updated."""
+        if record.value is None:
+            return None
+        checked = self.gate.check(record)
+        return self.sequences.admit(record, checked) if isinstance(checked, Command) else checked
+
+    async def _restore(self, producer: AIOKafkaProducer, replayed: ConsumerRecord) -> None:
+        """Publish the command in force for the replayed record's key again, so compaction keeps it, not the replay."""
+        if (in_force := self.sequences.current(replayed.key)) is None:
+            return
+        current = in_force[1]
+        try:
+            await producer.send_and_wait(current.topic, current.value, key=current.key, headers=list(current.headers),
+                                         partition=current.partition)
+        except KafkaError as error:  # readers refuse the replay anyway; only a compaction before a retry could hurt
+            log.warning("control.restore_failed", offset=replayed.offset, error=repr(error))
+            return
+        log.warning("control.command_restored", replayed_offset=replayed.offset, restored_offset=current.offset,
+                    key=current.key[:100] if current.key is not None else None)
 
     async def _tombstone_due(self, producer: AIOKafkaProducer) -> None:
         now = time.time() * 1000
@@ -152,6 +204,7 @@ class _Audit:
                 self.stamps.pop((tp, offset), None)
             self.read_to.pop(tp, None)
             self.committed.pop(tp, None)
+            self.chores_from.pop(tp, None)
 
     async def _commit(self, consumer: AIOKafkaConsumer) -> None:
         """Commit what was read, but not past a cancel still to be tombstoned; only what moved."""
@@ -167,8 +220,9 @@ class _Audit:
         self.committed.update(offsets)
 
 
-class _Revoked(ConsumerRebalanceListener):
-    """Before the partition moves: commit what this member did, then let go of what it held."""
+class _Rebalance(ConsumerRebalanceListener):
+    """Before the partition moves: commit what this member did, then let go of what it held. Once it is
+    assigned: read it from the start (which command is in force), with chores from the commit on."""
 
     def __init__(self, audit: _Audit, consumer: AIOKafkaConsumer) -> None:
         self.audit, self.consumer = audit, consumer
@@ -178,7 +232,7 @@ class _Revoked(ConsumerRebalanceListener):
         self.audit.forget(revoked)
 
     async def on_partitions_assigned(self, assigned) -> None:
-        pass
+        await self.audit.assigned(self.consumer, assigned)
 
 
 async def _dead_letter(producer: AIOKafkaProducer, topic: str, record: ConsumerRecord, why: Rejected) -> None:

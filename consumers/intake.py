@@ -110,7 +110,8 @@ class Intake:
             return
         try:
             question = decode_question(record.value if record.value is not None else b"", limits=self.limits)
-            admitted = self.gate.admit(question, record.value, record.headers, bound)
+            admitted = self.gate.admit(question, record.value, record.headers, bound, topic=record.topic,
+                                       key=record.key)
             question = admitted.question
         except UndecodableEvent as bad:
             bound.warning("dead_letter", reason=bad.reason, message=bad.message)
@@ -127,7 +128,7 @@ class Intake:
                                              "decode_crashed", repr(error))
         else:
             if admitted.refused is not None:
-                await self._refuse(question, admitted.refused, position, bound)
+                await self._refuse(question, admitted.refused, position, bound, admitted.code)
             elif self._admit(question.question_id, position, bound):
                 self.counts["questions"] += 1
                 inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
@@ -143,9 +144,9 @@ class Intake:
         await self.publisher.dead_letter(record.value, record.key, printable_headers(record.headers), position,
                                          broken.reason, message)
 
-    async def _refuse(self, question, message: str, position: Position, bound) -> None:
+    async def _refuse(self, question, message: str, position: Position, bound, code: str = "unsigned") -> None:
         if self._admit(question.question_id, position, bound):
-            await self.publisher.error_answer(error_answer(question.question_id, question.request_id, "unsigned",
+            await self.publisher.error_answer(error_answer(question.question_id, question.request_id, code,
                                                           message), position)
 
     def _admit(self, question_id: str, position: Position, bound) -> bool:

@@ -6,8 +6,9 @@ is acked: the re-published question, or the dead letter for an event that is not
 An invalid question (valid JSON with a bad field) is forwarded unchanged to the partition of its id:
 the worker there answers it with the error, as it would a question sent to it directly. The value,
 key and headers are kept; a `kev.route` header names the strategy. Kept headers include the
-signature (kev-key-id, kev-signature, over the value alone), so a signed question stays signed:
-routing needs no key and grants no trust.
+signature (schemas/signing.py; its producer signs for the questions topic, where the question is
+answered, and the record key is kept), so a signed question stays signed: routing needs no key and
+grants no trust.
 """
 
 from __future__ import annotations

@@ -140,22 +140,48 @@ class SecurityConfig(_Section):
     ssl_keyfile: str | None = None
 
 
-class TrustConfig(_Section):
-    """Who may set the server-side fields of a question, and who may command the fleet (`kafka.trust`).
+TrustScope = Literal["questions", "cancel", "control"]  # what a key may sign (schemas/signing.py)
+ALL_TRUST_SCOPES: tuple[TrustScope, ...] = ("questions", "cancel", "control")
+# An Ed25519 key as kev.yaml holds it: standard base64 of its 32 bytes (`kev control keygen` prints a pair).
+Ed25519Base64 = Annotated[str, Meta(pattern=r"^[A-Za-z0-9+/]{43}=$")]
 
-    A producer is trusted for one record when the record carries an HMAC-SHA256 signature by one of
-    `keys` (headers `kev-key-id`, `kev-signature`; see schemas/signing.py). Signed questions may set
-    tenant, cache_salt, priority, reply_topic and a timeout_ms above `max_unsigned_timeout_ms`;
-    unsigned ones are served with those cleared ("clear") or refused with an error answer ("refuse").
-    Control commands are applied only when signed. Rotate by adding the new key, moving `sign_key`
-    to it on every signer, then removing the old one.
+
+class TrustKey(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One key of `kafka.trust.keys`: an HMAC secret, or an Ed25519 key (public to verify, private to sign).
+
+    An HMAC secret verifies and signs alike, so every process holding it could sign; with Ed25519 the
+    workers hold only `public_key` and cannot sign what they verify. `scopes` bounds what the key may
+    sign: the gateway's key gets questions and cancel, never control.
     """
 
-    keys: dict[str, str] = {}  # key id -> secret (at least 16 characters)
-    keys_file: str | None = None  # a YAML mapping of key id -> secret, read at start, merged under `keys`
-    sign_key: str | None = None  # the key id this process signs with (gateway, demo); None = the only key
+    secret: str | None = None  # HMAC-SHA256, at least 16 characters
+    public_key: Ed25519Base64 | None = None  # verifies; derived from private_key when only that is given
+    private_key: Ed25519Base64 | None = None  # the 32-byte seed: signs (signers only: the gateway, an operator's tool)
+    scopes: tuple[TrustScope, ...] = ALL_TRUST_SCOPES
+
+
+class TrustConfig(_Section):
+    """Who may set the server-side fields of a question, cancel questions, and command the fleet (`kafka.trust`).
+
+    A record is trusted when it carries a signature (schemas/signing.py, scheme v2) by one of `keys` whose
+    scopes allow what it is: a question (`questions`), a cancel (`cancel`), a command (`control`). The
+    signature binds the topic, the record key, a stamp (the signing time of a question or cancel, a
+    per-key sequence number of a command) and the value. Signed questions may set tenant, cache_salt,
+    priority, reply_topic and a timeout_ms above `max_unsigned_timeout_ms`; unsigned ones are served with
+    those cleared ("clear") or refused with an error answer ("refuse"); a signed question older than
+    `max_age_ms` is refused (`stale_signature`). Commands are applied only when signed, and only when
+    their sequence number is above the last applied for their key. Rotation: docs/reliability.md#signed-records.
+    """
+
+    # key id -> an HMAC secret (a string, at least 16 characters, every scope) or a TrustKey
+    keys: dict[str, str | TrustKey] = {}
+    keys_file: str | None = None  # a YAML mapping like `keys`, read at start, merged under `keys`
+    sign_key: str | None = None  # the key id this process signs with (gateway, tools); None = the only signing key
     unsigned_questions: Literal["clear", "refuse"] = "clear"
     max_unsigned_timeout_ms: Annotated[int, Meta(ge=1, le=86_400_000)] = 300_000
+    # A signed question whose signing time is further than this from the worker's clock (older, or ahead) is
+    # answered with error stale_signature: a replay, or a backlog older than anyone still waits for.
+    max_age_ms: Annotated[int, Meta(ge=1_000, le=604_800_000)] = 600_000
     # Every reply_topic, signed or not, must match this (Python regex, whole name); others answer on answers_topic.
     reply_topic_pattern: str = r"kev\.replies\.[A-Za-z0-9._-]{1,200}"
 

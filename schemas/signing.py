@@ -1,101 +1,283 @@
-"""Record signatures: who may set server-side fields or command the fleet (the trust boundary).
+"""Record signatures, scheme v2: who may ask with server-side fields, cancel questions, or command the fleet.
 
-A trusted producer (the gateway, an operator's tool) signs each record's value with HMAC-SHA256
-under a shared key and sends the key's id and the signature as headers:
+A trusted producer signs each record with one of `kafka.trust.keys`; the signature and what a
+verifier needs to check it travel as headers:
 
-    headers = Signer.from_config(cfg.kafka.trust).headers(value, QUESTION)
-    verified = Verifier.from_config(cfg.kafka.trust).verify(value, record.headers, QUESTION)
+    signer = Signer.from_config(cfg.kafka.trust)
+    headers = signer.headers(QUESTION, topic, key, value)          # stamped now
+    verified = Verifier.from_config(cfg.kafka.trust).verify(QUESTION, record.topic, record.key,
+                                                            record.value, record.headers)
 
-The purpose (`QUESTION` or `CONTROL`) is part of what is signed, so a signed question can never be
-replayed as a command. A record without both headers is unsigned; one whose signature does not
-match any configured key is forged, and counts as unsigned too (the outcome names which).
+What is signed binds the purpose (QUESTION, CANCEL, CONTROL), the topic, the record key, a stamp and
+the value, so a signed record cannot be published again as another purpose, onto another topic, or
+under another key (another partition, another command's key). The stamp is the signing time (ms since
+the epoch, header `kev-signed-at`) of a question or cancel, and the sequence number (header
+`kev-sequence`) of a command: `next_sequence()`, the time in ms, or one above the last this process
+used if the clock has not moved. What is done with a stamp is the gates' policy: a question too old
+is refused (consumers/trust.py), a command whose number is not above the last applied for its key is
+refused (consumers/control.py).
+
+Keys are HMAC-SHA256 secrets (whoever verifies can sign) or Ed25519 key pairs (a process given only
+the public key verifies and cannot sign: `Signer.from_config` refuses). Each key has scopes, the
+purposes it may sign; a Signer refuses to sign outside them, a Verifier to trust outside them. Which
+algorithm checks a signature follows from the configured key, never from the record. A record is:
+
+- signed: the signature verifies under the configured key it names, whose scopes hold the purpose;
+- unsigned: it lacks kev-key-id or kev-signature;
+- forged: its key id is not configured, its signature or stamp does not check out, or it was signed
+  by another scheme (v1 signed the value alone: records signed so read as forged, with that reason);
+- out_of_scope: the signature verifies but the key may not sign this (the gateway's key commanding
+  the fleet).
+
+Only "signed" is trusted; `Verification.reason` says why not, in words for a log line or an answer.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from schemas.config import TrustConfig
+from schemas.config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
 
 HEADER_KEY_ID = "kev-key-id"
 HEADER_SIGNATURE = "kev-signature"
-QUESTION = b"kev.question.v1"
-CONTROL = b"kev.control.v1"
+HEADER_VERSION = "kev-sig-v"
+HEADER_SIGNED_AT = "kev-signed-at"
+HEADER_SEQUENCE = "kev-sequence"
+VERSION = b"2"
+QUESTION, CANCEL, CONTROL = "questions", "cancel", "control"  # the purposes are the scopes that allow them
+STAMP_HEADERS = {QUESTION: HEADER_SIGNED_AT, CANCEL: HEADER_SIGNED_AT, CONTROL: HEADER_SEQUENCE}
 MIN_SECRET_CHARS = 16
+MAX_STAMP_DIGITS = 19  # below 2**63: what a Kafka timestamp holds
 
-Purpose = bytes
+Purpose = Literal["questions", "cancel", "control"]
 Headers = Iterable[tuple[str, bytes]]
 
 
 class TrustKeyError(ValueError):
-    """The configured keys cannot be used (a short secret, an unreadable file, an unknown sign_key)."""
+    """The configured keys cannot be used (a short secret, a bad key, an unreadable file, a sign_key that
+    cannot sign), or a key was asked to sign outside its scopes."""
 
 
-def signature(secret: str, value: bytes, purpose: Purpose) -> str:
-    return hmac.new(secret.encode(), purpose + b"\n" + value, hashlib.sha256).hexdigest()
-
-
-def trust_keys(cfg: TrustConfig) -> dict[str, str]:
-    """Key id -> secret: `keys_file` (if any) overlaid by `keys`; every secret checked for length."""
-    keys = {**_read_keys_file(cfg.keys_file), **cfg.keys} if cfg.keys_file else dict(cfg.keys)
-    for key_id, secret in keys.items():
-        if not key_id or len(key_id) > 64:
-            raise TrustKeyError(f"kafka.trust: key id {key_id[:70]!r} must have 1 to 64 characters")
-        if len(secret) < MIN_SECRET_CHARS:
-            raise TrustKeyError(f"kafka.trust: the secret of key {key_id!r} has {len(secret)} characters, "
-                                f"at least {MIN_SECRET_CHARS} needed")
-    return keys
-
-
-def _read_keys_file(path: str) -> dict[str, str]:
-    try:
-        data = msgspec.yaml.decode(Path(path).read_bytes(), type=dict[str, str])
-    except OSError as error:
-        raise TrustKeyError(f"kafka.trust.keys_file {path}: cannot read: {error.strerror or error}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise TrustKeyError(f"kafka.trust.keys_file {path}: expected a mapping of key id -> secret "
-                            f"(strings): {error}") from None
-    return data
+def signed_message(purpose: Purpose, topic: str, key: bytes | None, stamp: int, value: bytes) -> bytes:
+    """What a v2 signature covers: each part length-prefixed, so no two records share a message."""
+    parts = [b"kev-sig-v2", purpose.encode(), topic.encode(), b"\x00" if key is None else b"\x01" + key,
+             str(stamp).encode(), value]
+    return b"".join(len(part).to_bytes(4, "big") + part for part in parts)
 
 
 @dataclass(frozen=True)
-class Signer:
+class HmacKey:
     key_id: str
-    secret: str = field(repr=False)  # a log line or traceback showing the signer never shows the secret
+    scopes: frozenset[str]
+    secret: bytes = field(repr=False)  # a log line or traceback showing the key never shows the secret
+    can_sign = True
+
+    def sign(self, message: bytes) -> bytes:
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest().encode()
+
+    def verify(self, message: bytes, given: bytes) -> bool:
+        return hmac.compare_digest(self.sign(message), given)
+
+
+@dataclass(frozen=True)
+class Ed25519Key:
+    key_id: str
+    scopes: frozenset[str]
+    public: Ed25519PublicKey = field(repr=False)
+    private: Ed25519PrivateKey | None = field(default=None, repr=False)
+
+    @property
+    def can_sign(self) -> bool:
+        return self.private is not None
+
+    def sign(self, message: bytes) -> bytes:
+        if self.private is None:
+            raise TrustKeyError(cannot_sign(self.key_id))
+        return self.private.sign(message).hex().encode()
+
+    def verify(self, message: bytes, given: bytes) -> bool:
+        try:
+            self.public.verify(bytes.fromhex(given.decode("ascii")), message)
+        except (InvalidSignature, ValueError):  # not hex, not 64 bytes, or not this key's signature
+            return False
+        return True
+
+
+Key = HmacKey | Ed25519Key
+
+
+def cannot_sign(key_id: str) -> str:
+    return (f"key {key_id!r} is an Ed25519 public key here: this process verifies with it but cannot sign "
+            "(the signer needs its private_key)")
+
+
+def trust_keys(cfg: TrustConfig) -> dict[str, Key]:
+    """Key id -> key: `keys_file` (if any) overlaid by `keys`; each checked (length, encoding, pairs)."""
+    given = {**_read_keys_file(cfg.keys_file), **cfg.keys} if cfg.keys_file else dict(cfg.keys)
+    return {key_id: _key(key_id, spec) for key_id, spec in given.items()}
+
+
+def _key(key_id: str, spec: str | TrustKey) -> Key:
+    if not key_id or len(key_id) > 64:
+        raise TrustKeyError(f"kafka.trust: key id {key_id[:70]!r} must have 1 to 64 characters")
+    if isinstance(spec, str):
+        spec = TrustKey(secret=spec)
+    scopes = frozenset(spec.scopes)
+    if not scopes:
+        raise TrustKeyError(f"kafka.trust: key {key_id!r} has no scopes; give it some of {', '.join(ALL_TRUST_SCOPES)}")
+    if spec.secret is not None:
+        if spec.public_key or spec.private_key:
+            raise TrustKeyError(f"kafka.trust: key {key_id!r} has a secret and an Ed25519 key; give it one kind")
+        if len(spec.secret) < MIN_SECRET_CHARS:
+            raise TrustKeyError(f"kafka.trust: the secret of key {key_id!r} has {len(spec.secret)} characters, "
+                                f"at least {MIN_SECRET_CHARS} needed")
+        return HmacKey(key_id, scopes, spec.secret.encode())
+    return _ed25519_key(key_id, spec, scopes)
+
+
+def _ed25519_key(key_id: str, spec: TrustKey, scopes: frozenset[str]) -> Ed25519Key:
+    if spec.private_key is None and spec.public_key is None:
+        raise TrustKeyError(f"kafka.trust: key {key_id!r} has neither a secret nor an Ed25519 public_key or "
+                            "private_key")
+    private = None
+    if spec.private_key is not None:
+        private = Ed25519PrivateKey.from_private_bytes(_raw32(key_id, "private_key", spec.private_key))
+    public = private.public_key() if private is not None else \
+        Ed25519PublicKey.from_public_bytes(_raw32(key_id, "public_key", spec.public_key))
+    if spec.public_key is not None and public_key_text(public) != spec.public_key:
+        raise TrustKeyError(f"kafka.trust: key {key_id!r}: its public_key is not the private_key's")
+    return Ed25519Key(key_id, scopes, public, private)
+
+
+def _raw32(key_id: str, name: str, text: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise TrustKeyError(f"kafka.trust: key {key_id!r}: {name} must be the standard base64 of 32 bytes")
+    return raw
+
+
+def public_key_text(public: Ed25519PublicKey) -> str:
+    return base64.b64encode(public.public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
+
+
+def new_ed25519_pair() -> tuple[str, str]:
+    """A fresh (private_key, public_key), as kafka.trust.keys takes them."""
+    private = Ed25519PrivateKey.generate()
+    seed = private.private_bytes_raw()
+    return base64.b64encode(seed).decode(), public_key_text(private.public_key())
+
+
+def _read_keys_file(path: str) -> dict[str, str | TrustKey]:
+    try:
+        data = msgspec.yaml.decode(Path(path).read_bytes(), type=dict[str, str | TrustKey])
+    except OSError as error:
+        raise TrustKeyError(f"kafka.trust.keys_file {path}: cannot read: {error.strerror or error}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise TrustKeyError(f"kafka.trust.keys_file {path}: expected a mapping of key id -> secret or "
+                            f"{{secret | public_key | private_key, scopes}}: {error}") from None
+    return data
+
+
+class _Sequence:
+    """Sequence numbers for commands: the time in ms, kept strictly increasing within this process."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self, above: int = 0) -> int:
+        with self._lock:
+            self._last = max(int(time.time() * 1000), self._last + 1, above + 1)
+            return self._last
+
+
+_SEQUENCE = _Sequence()
+
+
+def next_sequence(above: int = 0) -> int:
+    """A command's sequence number: now in ms, above every number this process handed out and above `above`.
+
+    Above the last applied for its key as long as the signers' clocks move forward; `kev control resign`
+    passes the number it replaces as `above`, so a clock behind the old signer's still moves on."""
+    return _SEQUENCE.next(above)
+
+
+class Signer:
+    def __init__(self, key: Key) -> None:
+        if not key.can_sign:
+            raise TrustKeyError(cannot_sign(key.key_id))
+        self.key = key
+
+    @property
+    def key_id(self) -> str:
+        return self.key.key_id
+
+    def __repr__(self) -> str:  # the key id only, never a secret
+        return f"Signer(key_id={self.key_id!r}, scopes={sorted(self.key.scopes)!r})"
+
+    @classmethod
+    def hmac(cls, key_id: str, secret: str, scopes: Iterable[str] = ALL_TRUST_SCOPES) -> "Signer":
+        return cls(_key(key_id, TrustKey(secret=secret, scopes=tuple(scopes))))
 
     @classmethod
     def from_config(cls, cfg: TrustConfig) -> "Signer | None":
-        """The signer `sign_key` names (or the only key); None when no key is configured."""
+        """The signer `sign_key` names (or the only key that can sign); None when no key is configured.
+        TrustKeyError when the key cannot sign (an Ed25519 public key only) or none is named among several."""
         keys = trust_keys(cfg)
         if not keys:
             return None
-        if cfg.sign_key is None:
-            if len(keys) > 1:
-                raise TrustKeyError("kafka.trust.sign_key: several keys are configured; name the one to sign with")
-            return cls(*next(iter(keys.items())))
-        if cfg.sign_key not in keys:
-            raise TrustKeyError(f"kafka.trust.sign_key: {cfg.sign_key!r} is not one of the configured keys")
-        return cls(cfg.sign_key, keys[cfg.sign_key])
+        if cfg.sign_key is not None:
+            if cfg.sign_key not in keys:
+                raise TrustKeyError(f"kafka.trust.sign_key: {cfg.sign_key!r} is not one of the configured keys")
+            return cls(keys[cfg.sign_key])
+        signing = [key for key in keys.values() if key.can_sign]
+        if len(signing) > 1:
+            raise TrustKeyError("kafka.trust.sign_key: several keys here can sign; name the one to sign with")
+        if not signing:
+            raise TrustKeyError("kafka.trust: every key here is an Ed25519 public key: this process verifies but "
+                                "cannot sign (give the signer a private_key or secret)")
+        return cls(signing[0])
 
-    def headers(self, value: bytes, purpose: Purpose) -> list[tuple[str, bytes]]:
-        return [(HEADER_KEY_ID, self.key_id.encode()),
-                (HEADER_SIGNATURE, signature(self.secret, value, purpose).encode())]
+    def headers(self, purpose: Purpose, topic: str, key: bytes | None, value: bytes,
+                stamp: int | None = None) -> list[tuple[str, bytes]]:
+        """The headers that sign `value` for `purpose` on `topic` under record key `key`. The stamp defaults
+        to now (ms since the epoch) for a question or cancel, and to `next_sequence()` for a command."""
+        if purpose not in self.key.scopes:
+            raise TrustKeyError(f"key {self.key_id!r} may not sign {purpose} (its scopes: "
+                                f"{', '.join(sorted(self.key.scopes))})")
+        if stamp is None:
+            stamp = next_sequence() if purpose == CONTROL else int(time.time() * 1000)
+        signature = self.key.sign(signed_message(purpose, topic, key, stamp, value))
+        return [(HEADER_KEY_ID, self.key_id.encode()), (HEADER_VERSION, VERSION),
+                (STAMP_HEADERS[purpose], str(stamp).encode()), (HEADER_SIGNATURE, signature)]
 
 
-Verdict = Literal["signed", "unsigned", "forged"]
+Verdict = Literal["signed", "unsigned", "forged", "out_of_scope"]
 
 
 @dataclass(frozen=True)
 class Verification:
     verdict: Verdict
-    key_id: str | None = None  # the key that signed it (signed), or the id a forged record named
+    key_id: str | None = None  # the key that signed it (signed, out_of_scope), or the id a forged record named
+    stamp: int | None = None  # the signed stamp: signing time (questions, cancels) or sequence number (commands)
+    reason: str = ""  # why it is not trusted, in words
 
     @property
     def trusted(self) -> bool:
@@ -103,7 +285,7 @@ class Verification:
 
 
 class Verifier:
-    def __init__(self, keys: Mapping[str, str]) -> None:
+    def __init__(self, keys: Mapping[str, Key]) -> None:
         self.keys = dict(keys)
 
     def __repr__(self) -> str:  # key ids only, never a secret
@@ -113,18 +295,40 @@ class Verifier:
     def from_config(cls, cfg: TrustConfig) -> "Verifier":
         return cls(trust_keys(cfg))
 
-    def verify(self, value: bytes | None, headers: Headers, purpose: Purpose) -> Verification:
-        key_id = given = None
-        for name, raw in headers or ():
-            if name == HEADER_KEY_ID:
-                key_id = raw
-            elif name == HEADER_SIGNATURE:
-                given = raw
-        if key_id is None or given is None:
-            return Verification("unsigned")
-        shown = key_id[:64].decode("utf-8", "replace")
-        secret = self.keys.get(key_id.decode("utf-8", "replace"))
-        if secret is None:
-            return Verification("forged", shown)
-        expected = signature(secret, value or b"", purpose).encode()
-        return Verification("signed", shown) if hmac.compare_digest(expected, given) else Verification("forged", shown)
+    def knows(self, key_id: str | None) -> bool:
+        return key_id in self.keys
+
+    def verify(self, purpose: Purpose, topic: str, key: bytes | None, value: bytes | None,
+               headers: Headers) -> Verification:
+        found = _signature_headers(headers, STAMP_HEADERS[purpose])
+        if found.get(HEADER_KEY_ID) is None or found.get(HEADER_SIGNATURE) is None:
+            return Verification("unsigned", reason="no kev-key-id and kev-signature headers")
+        key_id = found[HEADER_KEY_ID][:64].decode("utf-8", "replace")
+        if found.get(HEADER_VERSION) != VERSION:
+            return Verification("forged", key_id, reason="not signed with scheme v2 (no kev-sig-v: 2 header; v1 "
+                                                         "signed the value alone): sign it again")
+        trust_key = self.keys.get(key_id)
+        if trust_key is None:
+            return Verification("forged", key_id, reason=f"key {key_id!r} is not configured here")
+        stamp = _stamp(found.get(STAMP_HEADERS[purpose]))
+        if stamp is None:
+            return Verification("forged", key_id, reason=f"no usable {STAMP_HEADERS[purpose]} header for {purpose}")
+        message = signed_message(purpose, topic, key, stamp, value or b"")
+        if not trust_key.verify(message, found[HEADER_SIGNATURE]):
+            return Verification("forged", key_id, stamp, f"the signature does not match key {key_id!r} (for "
+                                                         f"{purpose} on {topic} under this record key)")
+        if purpose not in trust_key.scopes:
+            return Verification("out_of_scope", key_id, stamp, f"key {key_id!r} may not sign {purpose} (its scopes: "
+                                                              f"{', '.join(sorted(trust_key.scopes))})")
+        return Verification("signed", key_id, stamp)
+
+
+def _signature_headers(headers: Headers, stamp_header: str) -> dict[str, bytes]:
+    wanted = (HEADER_KEY_ID, HEADER_SIGNATURE, HEADER_VERSION, stamp_header)
+    return {name: raw for name, raw in headers or () if name in wanted}
+
+
+def _stamp(raw: bytes | None) -> int | None:
+    if raw is None or not raw.isdigit() or len(raw) > MAX_STAMP_DIGITS:
+        return None
+    return int(raw)

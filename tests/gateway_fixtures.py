@@ -21,10 +21,14 @@ import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from schemas import KevConfig
+from schemas.config import TrustKey
 
 API_KEY = "sk-kev-test-1"
 TENANT = "acme"
-TRUST_KEY_ID, TRUST_SECRET = "test", "a-test-secret-of-32-characters!!"  # kafka.trust, shared by gateway and worker
+TRUST_KEY_ID, TRUST_SECRET = "test", "a-test-secret-of-32-characters!!"  # the gateway's kafka.trust key
+OPS_KEY_ID, OPS_SECRET = "ops", "an-operator-secret-of-32-chars!!"  # an operator's tool: control commands
+GATEWAY_KEY = TrustKey(secret=TRUST_SECRET, scopes=("questions", "cancel"))  # all a gateway may sign
+TRUST_KEYS = {TRUST_KEY_ID: GATEWAY_KEY, OPS_KEY_ID: TrustKey(secret=OPS_SECRET, scopes=("control",))}  # a worker's
 SESSION_ENV = {"KEV_KAFKA_SESSION_TIMEOUT_MS": "3000"}  # Tansu's group waits, kept short
 
 
@@ -42,8 +46,9 @@ def replace(cfg: KevConfig, **sections) -> KevConfig:
 
 def stack_config(kafka, *, metrics_port: int = 0, **gateway) -> KevConfig:
     """A worker and gateway config: API key API_KEY is tenant TENANT, which sees Kev's audit; the gateway
-    signs with the trust key the worker knows; up to 256 requests in flight per tenant."""
-    trust = msgspec.structs.replace(kafka.trust, keys={TRUST_KEY_ID: TRUST_SECRET})
+    signs with the trust key the worker knows (questions, cancel), the worker also obeys the operator's key
+    (control); up to 256 requests in flight per tenant."""
+    trust = msgspec.structs.replace(kafka.trust, keys=TRUST_KEYS, sign_key=TRUST_KEY_ID)
     kafka = msgspec.structs.replace(kafka, trust=trust)
     return replace(KevConfig(kafka=kafka), core={"max_context": 1024, "device": "cpu"},
                    router={"max_parallel_queries": 32}, kv_cache={"num_blocks": 1024},
@@ -53,28 +58,42 @@ def stack_config(kafka, *, metrics_port: int = 0, **gateway) -> KevConfig:
                             **gateway})
 
 
+def signer_for(purpose: str):
+    """The test key that may sign `purpose`: the operator's for control, the gateway's for questions and cancels."""
+    from schemas.signing import CONTROL, Signer
+
+    if purpose == CONTROL:
+        return Signer.hmac(OPS_KEY_ID, OPS_SECRET, scopes=("control",))
+    return Signer.hmac(TRUST_KEY_ID, TRUST_SECRET, scopes=GATEWAY_KEY.scopes)
+
+
 async def produce_commands(bootstrap: str, topic: str, events: list) -> None:
-    """Control commands as an operator's tool sends them: signed, keyed by what each changes."""
-    from schemas import encode
+    """Control commands as an operator's tool sends them (cancels as the gateway does): signed, keyed by what
+    each changes."""
+    from consumers.control import control_record, purpose_of
     from schemas.control import control_key
-    from schemas.signing import CONTROL
 
-    await produce_signed(bootstrap, topic, [encode(e) for e in events], CONTROL, keys=[control_key(e) for e in events])
+    records = [control_record(e, signer_for(purpose_of(control_key(e))), topic) for e in events]
+    await _send(bootstrap, topic, records)
 
 
-async def produce_signed(bootstrap: str, topic: str, values: list[bytes], purpose: bytes, *,
+async def produce_signed(bootstrap: str, topic: str, values: list[bytes], purpose: str, *,
                          keys: list[bytes | None] | None = None) -> None:
-    """Send each value signed with the test trust key (as an operator's tool does), and wait for the acks."""
+    """Send each value signed for `purpose` with the test key that may sign it, and wait for the acks."""
+    signer = signer_for(purpose)
+    keys = keys or [None] * len(values)
+    await _send(bootstrap, topic, [(key, value, signer.headers(purpose, topic, key, value))
+                                   for value, key in zip(values, keys)])
+
+
+async def _send(bootstrap: str, topic: str, records) -> None:
     from aiokafka import AIOKafkaProducer
 
-    from schemas.signing import Signer
-
-    signer = Signer(TRUST_KEY_ID, TRUST_SECRET)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
     try:
-        for value, key in zip(values, keys or [None] * len(values)):
-            await producer.send_and_wait(topic, value, key=key, headers=signer.headers(value, purpose))
+        for key, value, headers in records:
+            await producer.send_and_wait(topic, value, key=key, headers=headers)
     finally:
         await producer.stop()
 

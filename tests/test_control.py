@@ -53,16 +53,17 @@ def control(**fields) -> bytes:
     return msgspec.json.encode(fields)
 
 
-def signed(**fields) -> tuple[bytes, bytes, list]:
-    """A signed, keyed command record (key, value, headers), as an operator's tool publishes it."""
+def signed(topic: str, **fields) -> tuple[bytes, bytes, list]:
+    """A signed, keyed command record (key, value, headers) for `topic`, as an operator's tool publishes it."""
     from consumers import control_record
 
-    return control_record(ControlEvent(**fields), SIGNER)
+    return control_record(ControlEvent(**fields), SIGNER, topic)
 
 
-def signed_raw(value: bytes, key: bytes | None = None, signer: Signer = SIGNER) -> tuple[bytes | None, bytes, list]:
-    """Any bytes, signed: what a trusted producer with a bug could send."""
-    return key, value, signer.headers(value, CONTROL)
+def signed_raw(topic: str, value: bytes, key: bytes | None = None,
+               signer: Signer = SIGNER) -> tuple[bytes | None, bytes, list]:
+    """Any bytes, signed for `topic`: what a trusted producer with a bug could send."""
+    return key, value, signer.headers(CONTROL, topic, key, value)
 
 
 def events(logs, event: str, **fields) -> list[dict]:
@@ -204,17 +205,18 @@ async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_bro
     from consumers import create_topics, run_control_reader
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
-    other_key = Signer("ops", "not-the-configured-secret")
+    ctl = kafka.control_topic
+    other_key = Signer.hmac("ops", "not-the-configured-secret")
     await create_topics(kafka, {kafka.control_topic: 1})
     await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
-        signed(action="load_adapter", name="a", path="/adapters/a"),
-        signed_raw(b"{garbage"),
-        signed_raw(b""),  # an empty value
-        signed_raw(control(action="reload")),
-        signed(action="update_defaults", defaults={"temperature": 0.5}),
+        signed(ctl, action="load_adapter", name="a", path="/adapters/a"),
+        signed_raw(ctl, b"{garbage"),
+        signed_raw(ctl, b""),  # an empty value
+        signed_raw(ctl, control(action="reload")),
+        signed(ctl, action="update_defaults", defaults={"temperature": 0.5}),
         (b"adapter:b", control(action="load_adapter", name="b", path="/adapters/b"), []),  # unsigned
-        signed_raw(control(action="unload_adapter", name="a"), b"adapter:a", signer=other_key),
-        signed_raw(control(action="unload_adapter", name="a"), b"defaults"),  # keyed as something else
+        signed_raw(ctl, control(action="unload_adapter", name="a"), b"adapter:a", signer=other_key),
+        signed_raw(ctl, control(action="unload_adapter", name="a"), b"defaults"),  # keyed as something else
     ])
     send, receive = anyio.create_memory_object_stream[ControlEvent](16)
     with anyio.fail_after(30):
@@ -227,7 +229,7 @@ async def test_control_reader_replays_from_the_start_and_skips_garbage(kafka_bro
 
             # Read on while serving; a second reader (another worker) sees every command too.
             await produce_records(kafka.bootstrap_servers, kafka.control_topic,
-                                  [signed(action="unload_adapter", name="a")])
+                                  [signed(ctl, action="unload_adapter", name="a")])
             assert await receive.receive() == ControlEvent(action="unload_adapter", name="a")
             other, other_receive = anyio.create_memory_object_stream[ControlEvent](16)
             async with other_receive:
@@ -275,6 +277,7 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
 
     monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "3000")
     kafka = kafka_config(kafka_broker, partitions=1, trust=TRUST)
+    ctl = kafka.control_topic
     cfg = KevConfig(kafka=kafka, adapters=AdaptersConfig(root=str(tmp_path)))
     cfg = msgspec.structs.replace(
         cfg, core=msgspec.structs.replace(cfg.core, max_context=64, device="cpu"),
@@ -287,7 +290,8 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
 
     # On the topics before the worker starts: it applies the commands before it takes the question.
     await produce_records(bootstrap, kafka.control_topic,
-                          [signed_raw(b"not a command"), signed(action="load_adapter", name=ADAPTER, path=str(path))])
+                          [signed_raw(ctl, b"not a command"),
+                           signed(ctl, action="load_adapter", name=ADAPTER, path=str(path))])
     await produce(bootstrap, kafka.questions_topic, [ask_bytes("with-adapter", ADAPTER)])
     reader = AnswerReader(bootstrap, kafka.answers_topic)
     shutdown = Shutdown(drain_deadline=20.0)
@@ -300,8 +304,8 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
 
                 # While it serves: unload, garbage, new defaults.
                 await produce_records(bootstrap, kafka.control_topic, [
-                    signed(action="unload_adapter", name=ADAPTER), signed_raw(b"\xff"),
-                    signed(action="update_defaults", defaults={"temperature": 0.7})])
+                    signed(ctl, action="unload_adapter", name=ADAPTER), signed_raw(ctl, b"\xff"),
+                    signed(ctl, action="update_defaults", defaults={"temperature": 0.7})])
                 await wait_event(logs, "control.applied", action="update_defaults")
                 await produce(bootstrap, kafka.questions_topic,
                               [ask_bytes("after-unload", ADAPTER), ask_bytes("after-defaults")])

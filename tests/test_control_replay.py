@@ -81,8 +81,10 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
     await create_topics(kafka, {kafka.control_topic: 1})
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
     await produce_records(kafka.bootstrap_servers, kafka.control_topic, [
-        control_record(ControlEvent(action="load_adapter", name=ADAPTER, path=ADAPTER), signer),  # under the root
-        control_record(ControlEvent(action="update_defaults", defaults={"temperature": 0.3}), signer),
+        control_record(ControlEvent(action="load_adapter", name=ADAPTER, path=ADAPTER), signer,  # under the root
+                       kafka.control_topic),
+        control_record(ControlEvent(action="update_defaults", defaults={"temperature": 0.3}), signer,
+                       kafka.control_topic),
     ])
     questions, answers = Mailbox("q", 8), Mailbox("a", 8)
     with anyio.fail_after(60):
@@ -121,10 +123,11 @@ async def produce_stamped(bootstrap: str, topic: str, records, stamps) -> list[i
     return [meta.offset for meta in sent]
 
 
-def cancel(question_id: str, signer=None):
+def cancel(topic: str, question_id: str, signer=None):
     from consumers import control_record
 
-    return control_record(ControlEvent(action="cancel", question_id=question_id), signer or Signer.from_config(TRUST))
+    return control_record(ControlEvent(action="cancel", question_id=question_id), signer or Signer.from_config(TRUST),
+                          topic)
 
 
 @pytest.mark.kafka
@@ -135,10 +138,12 @@ async def test_a_reader_sends_no_old_cancel_on_as_live_and_skips_tombstones(kafk
     from consumers import create_topics, run_control_reader
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
+    ctl = kafka.control_topic
     await create_topics(kafka, {kafka.control_topic: 1})
     old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
     await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
-                          [cancel("q-old-1"), cancel("q-old-2"), (b"cancel:q-gone", None, []), cancel("q-new")],
+                          [cancel(ctl, "q-old-1"), cancel(ctl, "q-old-2"), (b"cancel:q-gone", None, []),
+                           cancel(ctl, "q-new")],
                           [old, old, None, None])
     send, receive = anyio.create_memory_object_stream[ControlEvent](16)
     with anyio.fail_after(30):
@@ -146,7 +151,7 @@ async def test_a_reader_sends_no_old_cancel_on_as_live_and_skips_tombstones(kafk
             assert await tg.start(partial(run_control_reader, catch_up_timeout=0.0), kafka, send) == 0
             assert await receive.receive() == ControlEvent(action="cancel", question_id="q-new")
             await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,  # a live one, sent late
-                                  [cancel("q-late"), cancel("q-live")], [old, None])
+                                  [cancel(ctl, "q-late"), cancel(ctl, "q-live")], [old, None])
             assert await receive.receive() == ControlEvent(action="cancel", question_id="q-live")
             tg.cancel_scope.cancel()
     assert named(logs, "control.skipped") == []  # a tombstone is no bad command
@@ -168,11 +173,12 @@ async def test_the_audit_tombstones_old_cancels_only_and_holds_its_commit_at_a_y
     from consumers.control_audit import audit_group
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
+    ctl = kafka.control_topic
     await create_topics(kafka, {kafka.control_topic: 1, kafka.dlq_topic: 1})
     old = int(time.time() * 1000) - ELEVEN_MINUTES_MS
     unsigned = (b"defaults:temperature", b'{"action":"update_defaults","defaults":{"temperature":2.0}}', [])
     offsets = await produce_stamped(kafka.bootstrap_servers, kafka.control_topic,
-                                    [cancel("q-old"), cancel("q-young"), unsigned, cancel("q-older")],
+                                    [cancel(ctl, "q-old"), cancel(ctl, "q-young"), unsigned, cancel(ctl, "q-older")],
                                     [old, None, None, old - 1000])
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
@@ -200,8 +206,9 @@ async def test_a_young_cancel_is_tombstoned_once_it_is_old_enough(kafka_broker):
     from consumers import create_topics, run_control_audit
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
+    ctl = kafka.control_topic
     await create_topics(kafka, {kafka.control_topic: 1, kafka.dlq_topic: 1})
-    await produce_stamped(kafka.bootstrap_servers, kafka.control_topic, [cancel("q-1")], [None])
+    await produce_stamped(kafka.bootstrap_servers, kafka.control_topic, [cancel(ctl, "q-1")], [None])
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP, cancel_max_age_s=1.0), kafka)
@@ -241,3 +248,57 @@ async def test_the_audit_outlives_a_broker_that_is_away_and_then_does_its_work(l
     assert [(r.value, dict(r.headers)["dlq.reason"]) for r in dead] == [(unsigned[1], b"unsigned")]
     failures = named(logs, "control.audit_failed")
     assert failures[0]["retry_in_s"] == 0.2 and failures[1]["retry_in_s"] == 0.4  # backing off
+
+
+# -- a signed command published again later is refused, live and at every replay ---------------------------
+
+async def wait_logged(logs, event: str, timeout: float = 20.0, **fields) -> dict:
+    with anyio.fail_after(timeout):
+        while not (found := [e for e in named(logs, event) if all(e.get(k) == v for k, v in fields.items())]):
+            await anyio.sleep(0.05)
+    return found[0]
+
+
+@pytest.mark.kafka
+async def test_an_old_command_published_again_is_refused_live_and_at_a_restart(kafka_broker, logs):
+    """The rollback of the finding: defaults set to 0.3, then 0.9, then the first record published again byte for
+    byte. No reader applies it, neither live nor replaying at a restart; the audit dead-letters it once and
+    publishes the command in force again, so the record the compacted topic keeps under the key is 0.9's."""
+    from kafka_fixtures import FAST_GROUP, read_topic
+
+    from consumers import control_record, create_topics, run_control_audit, run_control_reader
+
+    kafka = kafka_config(kafka_broker, trust=TRUST)
+    ctl, signer = kafka.control_topic, Signer.from_config(TRUST)
+    await create_topics(kafka, {ctl: 1, kafka.dlq_topic: 1})
+    first = control_record(ControlEvent(action="update_defaults", defaults={"temperature": 0.3}), signer, ctl)
+    second = control_record(ControlEvent(action="update_defaults", defaults={"temperature": 0.9}), signer, ctl)
+    await produce_records(kafka.bootstrap_servers, ctl, [first, second])
+    send, receive = anyio.create_memory_object_stream[ControlEvent](16)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg, receive:
+            assert await tg.start(run_control_reader, kafka, send) == 2
+            live = [receive.receive_nowait().defaults for _ in range(2)]
+            await produce_records(kafka.bootstrap_servers, ctl, [first])  # the replay, while serving
+            await wait_logged(logs, "control.skipped", offset=2)
+            with pytest.raises(anyio.WouldBlock):
+                receive.receive_nowait()  # not sent on
+            await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP), kafka)
+            dead = await read_topic(kafka.bootstrap_servers, kafka.dlq_topic, 1, linger=0.5)
+            records = await read_topic(kafka.bootstrap_servers, ctl, 4, linger=0.5)  # the audit's restore: 4th
+            restarted, restarted_receive = anyio.create_memory_object_stream[ControlEvent](16)
+            async with restarted_receive:  # a worker's restart: the whole topic replayed, in order
+                assert await tg.start(run_control_reader, kafka, restarted) == 2
+                replayed = [restarted_receive.receive_nowait().defaults for _ in range(2)]
+            tg.cancel_scope.cancel()
+
+    assert live == replayed == [{"temperature": 0.3}, {"temperature": 0.9}]  # 0.9 stays in force
+    skipped = [e for e in named(logs, "control.skipped") if e["offset"] == 2]
+    assert [e["reason"] for e in skipped] == ["stale_sequence"] * 2  # live, then at the restart
+    assert "is not above" in skipped[0]["message"]
+    assert [(dict(r.headers)["dlq.source.offset"], dict(r.headers)["dlq.reason"]) for r in dead] == [
+        (b"2", b"stale_sequence")]
+    # The latest record under the key, what compaction keeps and a restart then replays, is 0.9's again.
+    assert [r.offset for r in records if r.key == second[0]][-1] == 3
+    assert (records[3].key, records[3].value, records[3].headers) == (second[0], second[1], tuple(second[2]))
+    assert named(logs, "control.command_restored")[0]["restored_offset"] == 1

@@ -426,7 +426,8 @@ def test_kev_gateway_says_in_one_line_why_it_cannot_start(kafka_broker):
 
     from serve_fixtures import KEV, ROOT, kev_env
 
-    trust = {"KEV_KAFKA__TRUST__KEYS": json.dumps({TRUST_KEY_ID: TRUST_SECRET})}  # else it refuses before that
+    gateway_key = {"secret": TRUST_SECRET, "scopes": ["questions", "cancel"]}
+    trust = {"KEV_KAFKA__TRUST__KEYS": json.dumps({TRUST_KEY_ID: gateway_key})}  # else it refuses before that
 
     def gateway(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(KEV), "gateway", *args], cwd=ROOT, env=kev_env(**SESSION_ENV, **trust),

@@ -39,7 +39,7 @@ from kafka_fixtures import kafka_config  # noqa: E402
 from consumers import create_topics  # noqa: E402
 from schemas import decode_answer, decode_question  # noqa: E402
 from schemas.control import decode_control  # noqa: E402
-from schemas.signing import CONTROL, QUESTION, Verifier  # noqa: E402
+from schemas.signing import CANCEL, QUESTION, Verifier  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
 pytestmark = pytest.mark.kafka
@@ -293,7 +293,7 @@ def test_published_questions_are_signed_stamped_and_scoped(keyed, anonymous):
                         {i.encode() for i in [tenant_id, *anonymous_ids]}))
     verifier = Verifier.from_config(kafka.trust)
     for record in found.values():
-        verified = verifier.verify(record.value, record.headers, QUESTION)
+        verified = verifier.verify(QUESTION, record.topic, record.key, record.value, record.headers)
         assert verified.trusted and verified.key_id == "test", verified
         assert before <= record.timestamp <= after, (before, record.timestamp, after)
         question = decode_question(record.value)
@@ -396,7 +396,8 @@ def test_a_publish_not_acked_in_time_is_a_503_and_cancelled(kafka_broker):
     kafka = cfg.kafka
     cancel_key = f"cancel:{question_id}".encode()
     cancel = run(partial(records_of, kafka.bootstrap_servers, kafka.control_topic, {cancel_key}))[cancel_key]
-    assert Verifier.from_config(kafka.trust).verify(cancel.value, cancel.headers, CONTROL).trusted
+    verifier = Verifier.from_config(kafka.trust)
+    assert verifier.verify(CANCEL, cancel.topic, cancel.key, cancel.value, cancel.headers).trusted
     event = decode_control(cancel.value)
     assert event.action == "cancel" and event.question_id == question_id
 
@@ -430,7 +431,9 @@ def _kev_gateway(capsys, tmp_path, *args: str, config: dict | None = None) -> tu
     return code, capsys.readouterr().err
 
 
-TRUST = {"kafka": {"trust": {"keys": {"ops": "an-operator-secret-0123456789"}}}}
+# The gateway's key may sign questions and cancels, nothing else (kev_async/gateway/exposure.py).
+TRUST = {"kafka": {"trust": {"keys": {"gw": {"secret": "a-gateway-secret-0123456789",
+                                              "scopes": ["questions", "cancel"]}}}}}
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "kev.example.com"])

@@ -41,7 +41,7 @@ pytest_plugins = ["kafka_fixtures", "serve_fixtures"]
 pytestmark = [pytest.mark.anyio, pytest.mark.kafka]
 
 TRUST = TrustConfig(keys={"ops-1": "a-secret-of-at-least-16-chars"})
-FORGER = Signer("ops-1", "not-the-secret-but-long-enough")
+FORGER = Signer.hmac("ops-1", "not-the-secret-but-long-enough")
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ async def send_all(bootstrap: str, topic: str, records: list[dict]) -> None:
         await producer.stop()
 
 
-def hostile_records() -> tuple[list[dict], list[str]]:
+def hostile_records(topic: str) -> tuple[list[dict], list[str]]:
     """(records to publish, ids of the good questions among them), good and hostile interleaved."""
     good = [f"good-{i}" for i in range(12)]
     bad: list[dict] = [
@@ -86,14 +86,14 @@ def hostile_records() -> tuple[list[dict], list[str]]:
         {"value": event("huge-prompt", prompt="x" * 300_000)},
         {"value": event("forged-tenant", tenant="victim", cache_salt="theirs", priority=100)},
         {"value": (value := event("forged-signature", tenant="victim")),
-         "headers": FORGER.headers(value, QUESTION)},
+         "headers": FORGER.headers(QUESTION, topic, _qid(value), value)},
         {"value": event("dup-1")},
         {"value": event("dup-1")},
         {"value": event("expired", timeout_ms=5_000), "timestamp_ms": int(time.time() * 1000) - 120_000},
         {"value": b"\xff\xfe not json at all", "key": b"garbage"},
     ]
     signed = bad[2]
-    signed["headers"] = Signer.from_config(TRUST).headers(signed["value"], QUESTION)
+    signed["headers"] = Signer.from_config(TRUST).headers(QUESTION, topic, _qid(signed["value"]), signed["value"])
     records = []
     for i, qid in enumerate(good):
         records.append({"value": event(qid, f"Question {i}: name a colour.")})
@@ -129,7 +129,7 @@ async def test_hostile_records_end_in_their_outcome_and_both_workers_keep_consum
 
             # Unsigned and forged commands that would cut every answer to one token, and cancel a good one.
             cut = ControlEvent(action="update_defaults", defaults={"max_new_tokens": 1})
-            key, value, forged_headers = control_record(cut, FORGER)
+            key, value, forged_headers = control_record(cut, FORGER, kafka.control_topic)
             await send_all(kafka.bootstrap_servers, kafka.control_topic, [
                 {"key": key, "value": value},
                 {"key": key, "value": value, "headers": forged_headers},
@@ -137,7 +137,7 @@ async def test_hostile_records_end_in_their_outcome_and_both_workers_keep_consum
                     {"action": "cancel", "question_id": "late-good"})},
             ])
 
-            records, good = hostile_records()
+            records, good = hostile_records(kafka.questions_topic)
             await send_all(kafka.bootstrap_servers, kafka.questions_topic, records)
             answerable = set(good) | {_qid(r["value"]).decode() for r in records if _qid(r["value"])}
             await reader.wait_for(answerable, 120, "answers")

@@ -212,7 +212,7 @@ async def test_reply_topic_and_streaming_deltas(kafka_broker):
     async with running_worker(cfg):
         private = question("private", reply_topic=reply_topic)
         await produce_records(bootstrap, cfg.questions_topic, [
-            (None, private, Signer.from_config(trust).headers(private, QUESTION)),
+            (None, private, Signer.from_config(trust).headers(QUESTION, cfg.questions_topic, None, private)),
             (None, question("streamed", stream=True), []),
             (None, question("misaddressed", reply_topic="no such topic!"), []),
         ])

@@ -269,9 +269,9 @@ class HoldOneEngine(StandInEngine):
             await outbox.send(Outbound(answer_for(inbound), inbound))
 
 
-def signed(question_id: str, trust: TrustConfig, **fields) -> tuple[None, bytes, list]:
+def signed(question_id: str, cfg, **fields) -> tuple[None, bytes, list]:
     value = question(question_id, **fields)
-    return None, value, Signer.from_config(trust).headers(value, QUESTION)
+    return None, value, Signer.from_config(cfg.trust).headers(QUESTION, cfg.questions_topic, None, value)
 
 
 async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_answers(kafka_broker, tmp_path):
@@ -294,8 +294,8 @@ async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_ans
             # topics (memory storage: re-created on first use) can take a while to come back.
             async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=90.0,
                                       reply_retry_s=60.0):
-                await produce_records(bootstrap, cfg.questions_topic, [signed("warm", trust, reply_topic=reply_topic),
-                                                                       signed("held", trust, reply_topic=reply_topic)])
+                await produce_records(bootstrap, cfg.questions_topic, [signed("warm", cfg, reply_topic=reply_topic),
+                                                                       signed("held", cfg, reply_topic=reply_topic)])
                 await read_topic(elsewhere, reply_topic, 1, linger=0)  # the reply topic is known and written
                 await wait_until(lambda: len(engine.received) == 2)
                 await answers_broker.astop()
@@ -303,7 +303,7 @@ async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_ans
                 await anyio.sleep(2.5)
                 await answers_broker.astart()
                 held = await read_topic(elsewhere, reply_topic, 2, timeout=75, linger=0)  # the topic kept "warm"
-                await produce_records(bootstrap, cfg.questions_topic, [signed("after", trust, reply_topic=reply_topic)])
+                await produce_records(bootstrap, cfg.questions_topic, [signed("after", cfg, reply_topic=reply_topic)])
                 on_reply = await read_topic(elsewhere, reply_topic, 3, timeout=75, linger=0)
                 on_answers = await read_topic(elsewhere, cfg.answers_topic, 0, linger=0.5)
                 await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
@@ -327,13 +327,13 @@ async def test_a_reply_topic_the_broker_refuses_is_avoided_for_a_while_then_trie
     with capture_logs() as logs:
         async with running_worker(cfg, producer_options={"request_timeout_ms": 500}, reply_retry_s=1.0,
                                   reply_avoid_s=3.0):
-            await produce_records(bootstrap, cfg.questions_topic, [signed("first", trust, reply_topic="..")])
+            await produce_records(bootstrap, cfg.questions_topic, [signed("first", cfg, reply_topic="..")])
             await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
             avoided_at = time.monotonic()
-            await produce_records(bootstrap, cfg.questions_topic, [signed("while-avoided", trust, reply_topic="..")])
+            await produce_records(bootstrap, cfg.questions_topic, [signed("while-avoided", cfg, reply_topic="..")])
             await read_topic(bootstrap, cfg.answers_topic, 2, linger=0)
             await anyio.sleep(max(0.0, avoided_at + 3.2 - time.monotonic()))
-            await produce_records(bootstrap, cfg.questions_topic, [signed("after-expiry", trust, reply_topic="..")])
+            await produce_records(bootstrap, cfg.questions_topic, [signed("after-expiry", cfg, reply_topic="..")])
             answers = await read_topic(bootstrap, cfg.answers_topic, 3, timeout=20, linger=0.3)
             await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
     assert [r.key for r in answers] == [b"first", b"while-avoided", b"after-expiry"]

@@ -222,13 +222,13 @@ async def test_two_workers_answer_every_good_question_around_a_bad_header_name_a
 async def test_the_control_reader_and_audit_pass_a_bad_header_name_on_the_control_topic(kafka_broker):
     from functools import partial
 
-    from gateway_fixtures import TRUST_KEY_ID, TRUST_SECRET, produce_commands
+    from gateway_fixtures import TRUST_KEYS, produce_commands
     from kafka_fixtures import FAST_GROUP, kafka_config, read_topic
 
     from consumers import create_topics, run_control_audit, run_control_reader
     from schemas import ControlEvent, TrustConfig
 
-    kafka = kafka_config(kafka_broker, trust=TrustConfig(keys={TRUST_KEY_ID: TRUST_SECRET}))
+    kafka = kafka_config(kafka_broker, trust=TrustConfig(keys=TRUST_KEYS))
     await create_topics(kafka, {kafka.control_topic: 1, kafka.dlq_topic: 1})
     first = ControlEvent(action="update_defaults", defaults={"temperature": 0.5})
     second = ControlEvent(action="update_defaults", defaults={"top_p": 0.9})

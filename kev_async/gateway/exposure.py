@@ -7,6 +7,8 @@
   reply_topic only when it is signed: an unsigned gateway would get no answer back (its reply topic
   cleared), its tenants would be merged into one, and its anonymous callers would share one prefix
   cache. Refusing to start says so at once, instead of every request timing out.
+- That key's scopes must be exactly what it signs, questions and cancel: a process that faces the
+  internet must not hold a key the workers would obey as a command (load an adapter, change defaults).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import secrets
 import msgspec
 
 from schemas import KevConfig
-from schemas.signing import Signer, TrustKeyError
+from schemas.config import TrustKey
+from schemas.signing import CANCEL, CONTROL, QUESTION, Signer, TrustKeyError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+GATEWAY_SCOPES = (QUESTION, CANCEL)
 
 
 class GatewayRefused(ValueError):
@@ -53,6 +57,17 @@ def check_exposure(cfg: KevConfig, *, keys_configured: bool) -> Signer:
             "kafka.trust.keys is empty: workers honour a question's reply_topic, tenant and cache_salt only when "
             "it is signed, so no answer would come back and callers would share one prefix cache; set "
             "kafka.trust.keys (and kafka.trust.sign_key if there are several) to the keys the workers have")
+    return _scoped(signer)
+
+
+def _scoped(signer: Signer) -> Signer:
+    scopes = signer.key.scopes
+    if CONTROL in scopes or not set(GATEWAY_SCOPES) <= scopes:
+        raise GatewayRefused(
+            f"kafka.trust: the gateway signs with key {signer.key_id!r}, whose scopes are {', '.join(sorted(scopes))}; "
+            f"give it scopes [{', '.join(GATEWAY_SCOPES)}] exactly (`{signer.key_id}: {{secret: ..., scopes: "
+            f"[{', '.join(GATEWAY_SCOPES)}]}}`, the same on the workers): it faces the internet, so it must not hold "
+            "a key the workers obey as a control command")
     return signer
 
 
@@ -63,14 +78,16 @@ def with_session_trust_key(cfg: KevConfig) -> KevConfig:
     trust = cfg.kafka.trust
     if trust.keys or trust.keys_file:
         return cfg
-    trust = msgspec.structs.replace(trust, keys={"session": secrets.token_hex(32)}, sign_key="session")
+    session = TrustKey(secret=secrets.token_hex(32), scopes=GATEWAY_SCOPES)  # the gateway's scopes, no more
+    trust = msgspec.structs.replace(trust, keys={"session": session}, sign_key="session")
     return msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, trust=trust))
 
 
 def trust_env(cfg: KevConfig) -> dict[str, str]:
     """The KEV_* variables that hand cfg's trust keys to a `kev` child process."""
     trust = cfg.kafka.trust
-    env = {"KEV_KAFKA__TRUST__KEYS": json.dumps(trust.keys)}  # JSON is YAML, as KEV_* values are read
+    # JSON is YAML, as KEV_* values are read
+    env = {"KEV_KAFKA__TRUST__KEYS": json.dumps(msgspec.to_builtins(trust.keys))}
     if trust.sign_key:
         env["KEV_KAFKA__TRUST__SIGN_KEY"] = trust.sign_key
     return env

@@ -4,10 +4,12 @@ A question counts as sent once the broker acked it (acks=all); if that takes lon
 `publish_timeout_ms` the broker is taken to be down and the request gets a 503 at once, rather
 than waiting out aiokafka's own 40 s metadata and request timeouts.
 
-Every record is signed (kafka.trust, when a key is configured), so workers honour the question's
-tenant, cache_salt and reply_topic and apply the cancels. A question's record timestamp is the
-request's arrival, so a worker measures its deadline from then, not from when it got to it.
-Cancels are keyed `cancel:<question_id>`, as every control command is keyed by what it changes.
+Every record is signed (kafka.trust, when a key is configured; its scopes: questions and cancel) for
+its topic and record key, so workers honour the question's tenant, cache_salt and reply_topic and
+apply the cancels. A question's record timestamp and its signed time are the request's arrival, so a
+worker measures its deadline from then, not from when it got to it, and refuses it once it is older
+than kafka.trust.max_age_ms. Cancels are keyed `cancel:<question_id>`, as every control command is
+keyed by what it changes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from kev_async.gateway.errors import ApiError
 from schemas import ControlEvent, KafkaConfig, QuestionEvent, encode
 from schemas.control import control_key
-from schemas.signing import CONTROL, QUESTION, Signer
+from schemas.signing import CANCEL, QUESTION, Purpose, Signer
 
 log = structlog.get_logger("kev.gateway.publisher")
 
@@ -59,13 +61,13 @@ class QuestionPublisher:
     async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
         """Send (stamped `arrived_ms`, epoch ms) and wait for the broker's ack; BrokerUnavailable (503) when it
         does not come in time."""
-        value = encode(question)
+        value, key, topic = encode(question), question.question_id.encode(), self.cfg.questions_topic
+        headers = self._signed(QUESTION, topic, key, value, arrived_ms)
         try:
             # asyncio's own timeout: half the event loop's time of anyio.fail_after (~9 against ~19 us), and the
             # gateway runs on asyncio anyway (aiokafka needs it).
             async with asyncio.timeout(self.timeout):
-                delivery = await self.producer.send(self.cfg.questions_topic, value, key=question.question_id.encode(),
-                                                    timestamp_ms=arrived_ms, headers=self._signed(value, QUESTION))
+                delivery = await self.producer.send(topic, value, key=key, timestamp_ms=arrived_ms, headers=headers)
                 await delivery
         except TimeoutError:
             self.healthy = False
@@ -80,11 +82,10 @@ class QuestionPublisher:
     async def cancel(self, question_id: str) -> bool:
         """Tell every worker to drop the question (its KV blocks are freed); shielded, bounded, best effort."""
         event = ControlEvent(action="cancel", question_id=question_id)
-        value = encode(event)
+        value, key, topic = encode(event), control_key(event), self.cfg.control_topic
         with anyio.move_on_after(CANCEL_TIMEOUT_S, shield=True):
             try:
-                await (await self.producer.send(self.cfg.control_topic, value, key=control_key(event),
-                                                headers=self._signed(value, CONTROL)))
+                await (await self.producer.send(topic, value, key=key, headers=self._signed(CANCEL, topic, key, value)))
                 return True
             except KafkaError as error:
                 log.warning("gateway.cancel_failed", question_id=question_id, error=repr(error))
@@ -92,5 +93,8 @@ class QuestionPublisher:
         log.warning("gateway.cancel_timed_out", question_id=question_id)
         return False
 
-    def _signed(self, value: bytes, purpose: bytes) -> list[tuple[str, bytes]] | None:
-        return self.signer.headers(value, purpose) if self.signer is not None else None
+    def _signed(self, purpose: Purpose, topic: str, key: bytes, value: bytes,
+                stamp: int | None = None) -> list[tuple[str, bytes]] | None:
+        if self.signer is None:
+            return None
+        return self.signer.headers(purpose, topic, key, value, stamp=stamp)

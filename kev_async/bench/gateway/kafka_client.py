@@ -42,9 +42,8 @@ class DirectClient:
                                      messages=(Message(role="user", content=self.prompt.format(i=i)),),
                                      params=Params(max_new_tokens=self.max_new_tokens), reply_topic=self.topic)
             sent[question.question_id] = time.perf_counter()
-            value = encode(question)
-            await self.producer.send(self.kafka.questions_topic, value, key=question.question_id.encode(),
-                                     headers=self.signer.headers(value, QUESTION))
+            value, key, topic = encode(question), question.question_id.encode(), self.kafka.questions_topic
+            await self.producer.send(topic, value, key=key, headers=self.signer.headers(QUESTION, topic, key, value))
         latencies = []
         while len(latencies) < concurrency:
             for records in (await self.consumer.getmany(timeout_ms=1000)).values():
