@@ -22,6 +22,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_audit, run_control_reader
+from consumers.control_history import refuse_unverifiable
 from engine import Engine, EngineOptions, load_model
 from engine.model.loader import cache_dir
 from kev_async.engine_actor import engine_actor
@@ -94,6 +95,9 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     metrics = Metrics(log_prompts=cfg.logging.log_prompts)
     metrics.watch_mailboxes(questions, answers)
     async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka, cfg.broker) as kafka_cfg:
+        # Before any actor starts: kept commands signed by keys this worker lacks would revert silently (a key
+        # rotation half done), so it refuses to start, naming them (consumers/control_history.py).
+        await refuse_unverifiable(kafka_cfg)
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options)
         metrics.watch_kafka(worker)
         kafka_watch = KafkaLoopWatch(shutdown)

@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kev_async.app import serve
     from kev_async.kafka_loop import EXIT_KAFKA_FAILED, KafkaLoopFailed
     from kev_async.runtime.lifecycle import run_service
+    from schemas.signing import TrustKeyError
 
     cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
     if cfg.deploy.mode == "multi":
@@ -44,6 +45,12 @@ def _serve(args: argparse.Namespace) -> int:
         return anyio.run(partial(run_service, partial(serve, cfg), drain_deadline=args.drain_deadline),
                          backend="asyncio")
     except BaseExceptionGroup as group:  # task groups wrap what serve raises
+        refused, rest = group.split(TrustKeyError)  # a start refused for its keys (a rotation half done): one line
+        if refused is not None and rest is None:
+            while isinstance(refused, BaseExceptionGroup):
+                refused = refused.exceptions[0]
+            print(f"kev serve: {refused}", file=sys.stderr)
+            return 2
         failed, rest = group.split(KafkaLoopFailed)
         if failed is None or rest is not None:
             raise
