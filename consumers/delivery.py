@@ -2,12 +2,13 @@
 
 What to do after a failed publish (`decide`; consumers/sender.py acts on it):
 - transient (the broker is away, a leader moves, a request timed out): send the same record again
-  with backoff, within a window counted from the record's first send (`Retries`); a caller's reply
-  topic gets a shorter window, then the answer takes the answers topic;
+  with backoff, within a window counted from the record's first send (`Retries`); on a caller's reply
+  topic the window is the question's deadline, then the record's fallback ends the question (a dead
+  letter without the answer's text: nothing of a signed question goes to a topic others read);
 - the record's own (too large, a value that cannot be encoded, a timestamp the broker refuses on a
   forwarded record): end that record's question another way (an error answer, a dead letter) and go on;
-- a reply topic the broker refuses (forbidden, illegal, unknown after retries): the answer takes the
-  answers topic, and that topic is avoided for a while;
+- a reply topic the broker refuses (forbidden, illegal, unknown after retries): the record's fallback,
+  and that topic's next records go to their fallback at once for a while (never to another topic);
 - the fleet's own topic refused (answers, dead letters, deltas, questions), a transient failure past
   its window, anything else: the worker cannot go on; `PublishFailed`.
 """
@@ -50,8 +51,8 @@ class PublishFailed(RuntimeError):
 
 class Next(enum.Enum):
     RETRY = "retry"  # send the same record again, after a backoff
-    FALLBACK = "fallback"  # the record's fallback ends its question (an error answer, a dead letter, answers topic)
-    AVOID_TOPIC = "avoid_topic"  # the reply topic refused: fallback, and answer elsewhere for a while
+    FALLBACK = "fallback"  # the record's fallback ends its question (an error answer, a dead letter)
+    AVOID_TOPIC = "avoid_topic"  # the reply topic refused: fallback, and its next records fall back at once for a while
     FAIL = "fail"  # PublishFailed: the worker cannot go on
 
 
@@ -64,7 +65,7 @@ def decide(error: BaseException, *, reply: bool, exhausted: bool, own_timestamp:
         return Next.FALLBACK  # this record alone: another one (an error answer, a dead letter) can still go
     if reply:
         if is_transient(error) and not isinstance(error, UnknownTopicOrPartitionError):
-            return Next.FALLBACK  # still away after the reply window: this answer only, the topic stays usable
+            return Next.FALLBACK  # still away at the question's deadline: this record only, the topic stays usable
         return Next.AVOID_TOPIC
     # The fleet's own topic: whatever refused this record would refuse every one after it.
     return Next.FAIL

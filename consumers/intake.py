@@ -1,11 +1,17 @@
 """The question consumer loop: fetch, decode, route each record to exactly one outcome.
 
-- valid question → `Inbound` into the engine's bounded inbox (settled later by its answer)
+- valid question → `Inbound` into the engine's bounded inbox (settled later by its answer), with its
+  principal (the verified key id, or "unsigned", and the tenant: schemas/principal.py) and an attempt
+  id of its own
 - InvalidQuestion → an error AnswerEvent (the asker is told why)
 - UndecodableEvent → the raw record to the DLQ with reason headers (nobody can be answered)
-- a question_id being answered or answered recently → no second answer (see ledger.py)
+- the same principal's question_id again with the same bytes, being answered or answered recently
+  → no second answer; with other bytes → an error answer "duplicate_question_id", the first question
+  untouched; another principal's question under that id is another question (see ledger.py)
 - an unsigned or forged record → served with its server-side fields cleared, or refused with an
   error answer (code "unsigned"), per kafka.trust (see trust.py)
+- an error answer to a signed asker goes to its reply topic (when it names one the pattern allows),
+  where it waits, as every other answer of a signed question does
 - a record the fetch guard could not read as sent (a header name that is not UTF-8, a broken batch:
   record_guard.py) → the DLQ, with the raw bytes that could be read and the reason
 
@@ -15,8 +21,10 @@ watermark they resume. Paused partitions are not fetched, so memory stays bounde
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -27,8 +35,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from consumers.backpressure import Watermarks
 from consumers.clients import fetch
 from consumers.committer import RevocationListener
-from consumers.ledger import Admission, QuestionLedger
-from consumers.messages import Inbound, Position
+from consumers.ledger import Admission, QuestionLedger, digest
+from consumers.messages import Inbound, Position, QuestionKey
 from consumers.offsets import OffsetTracker
 from consumers.publisher import Publisher
 from consumers.record_guard import printable_headers, unreadable
@@ -36,13 +44,25 @@ from consumers.trust import QuestionGate
 from schemas import (
     InvalidQuestion,
     LimitsConfig,
+    Principal,
     TrustConfig,
     UndecodableEvent,
     decode_question,
     error_answer,
+    principal_of,
 )
+from schemas.signing import QUESTION, Verification
 
 log = structlog.get_logger("kev.consumers.intake")
+
+
+@dataclass(frozen=True)
+class Asker:
+    """Who asked a question, and where its answers go: a signed asker's reply topic, or None (the fleet's
+    answers topic)."""
+
+    principal: Principal
+    reply_topic: str | None = None
 
 
 class Intake:
@@ -73,6 +93,7 @@ class Intake:
         self.max_records = max_records
         self.poll_timeout_ms = poll_timeout_ms
         self.gate = QuestionGate(trust)
+        self.reply_topic_pattern = re.compile(trust.reply_topic_pattern)
         self.limits = limits
         self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
         self.fetched_at = 0.0  # time.time() when the batch being handled came back from the broker
@@ -108,6 +129,7 @@ class Intake:
         if (broken := unreadable(record)) is not None:
             await self._dead_letter_unreadable(record, broken, position, bound)
             return
+        value_digest = digest(record.value)
         try:
             question = decode_question(record.value if record.value is not None else b"", limits=self.limits)
             admitted = self.gate.admit(question, record.value, record.headers, bound, topic=record.topic,
@@ -119,20 +141,23 @@ class Intake:
                                              bad.reason, bad.message)
         except InvalidQuestion as bad:
             bound.info("invalid_question", question_id=bad.question_id, code=bad.code, message=bad.message)
-            if self._admit(bad.question_id, position, bound):
-                answer = error_answer(bad.question_id, bad.request_id, bad.code, bad.message)
-                await self.publisher.error_answer(answer, position)
+            verification = self.gate.verifier.verify(QUESTION, record.topic, record.key, record.value, record.headers)
+            asker = self._asker(verification, None, bad.reply_topic)
+            await self._turn_away(asker, bad.question_id, bad.request_id, bad.code, bad.message, value_digest,
+                                  position, bound)
         except Exception as error:  # a decoder bug must not stop the partition: park the record
             bound.exception("decode_crashed")
             await self.publisher.dead_letter(record.value, record.key, list(record.headers), position,
                                              "decode_crashed", repr(error))
         else:
+            asker = self._asker(admitted.verification, question.tenant, question.reply_topic)
             if admitted.refused is not None:
-                await self._refuse(question, admitted.refused, position, bound, admitted.code)
-            elif self._admit(question.question_id, position, bound):
+                await self._turn_away(asker, question.question_id, question.request_id, admitted.code,
+                                      admitted.refused, value_digest, position, bound)
+            elif await self._admit(asker, question.question_id, question.request_id, value_digest, position, bound):
                 self.counts["questions"] += 1
                 inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
-                                  published_ms=record.timestamp)
+                                  published_ms=record.timestamp, principal=asker.principal)
                 # Stage stamps for `kev bench kafka --profile` (debug: free at the default level).
                 bound.debug("question_taken", question_id=question.question_id, fetched_at=self.fetched_at)
                 await self.questions_out.send(inbound)
@@ -144,19 +169,45 @@ class Intake:
         await self.publisher.dead_letter(record.value, record.key, printable_headers(record.headers), position,
                                          broken.reason, message)
 
-    async def _refuse(self, question, message: str, position: Position, bound, code: str = "unsigned") -> None:
-        if self._admit(question.question_id, position, bound):
-            await self.publisher.error_answer(error_answer(question.question_id, question.request_id, code,
-                                                          message), position)
+    def _asker(self, verification: Verification, tenant: str | None, reply_topic: str | None) -> Asker:
+        """Who asked (a tenant counts only when signed) and where its answers may go: the reply topic of a
+        signed record, when the pattern allows it (the gate clears the others from a served question; a
+        refused or invalid one is checked here alike)."""
+        trusted = verification.trusted
+        principal = principal_of(verification.key_id if trusted else None, tenant)
+        allowed = trusted and reply_topic is not None and self.reply_topic_pattern.fullmatch(reply_topic)
+        return Asker(principal, reply_topic if allowed else None)
 
-    def _admit(self, question_id: str, position: Position, bound) -> bool:
-        admission = self.ledger.admit(question_id, position)
+    async def _turn_away(self, asker: Asker, question_id: str, request_id: str | None, code: str, message: str,
+                         value_digest: bytes, position: Position, bound) -> None:
+        """An error answer for a question that will not be served (invalid, refused). Its redelivery and a
+        conflict are told as any question's, but it does not keep its id: the question corrected (other
+        bytes), or signed anew (the same bytes), and sent again under that id is served."""
+        if await self._admit(asker, question_id, request_id, value_digest, position, bound):
+            self.ledger.abandon(QuestionKey(asker.principal, question_id))
+            await self._tell(asker, question_id, request_id, code, message, position)
+
+    async def _tell(self, asker: Asker, question_id: str, request_id: str | None, code: str, message: str,
+                    position: Position) -> None:
+        """An error answer to `asker` (on its reply topic, if it has one), settling `position` once acked."""
+        await self.publisher.error_answer(error_answer(question_id, request_id, code, message), position,
+                                          principal=asker.principal, reply_topic=asker.reply_topic)
+
+    async def _admit(self, asker: Asker, question_id: str, request_id: str | None, value_digest: bytes,
+                     position: Position, bound) -> bool:
+        """Whether to answer this record; a duplicate is settled with its first's answer, a conflict told."""
+        admission = self.ledger.admit(QuestionKey(asker.principal, question_id), value_digest, position)
         if admission is Admission.NEW:
             return True
         self.counts["duplicates"] += 1
-        bound.info("duplicate_question", question_id=question_id, admission=admission.value)
+        bound.info("duplicate_question", question_id=question_id, principal=str(asker.principal),
+                   admission=admission.value)
         if admission is Admission.ANSWERED:
             self.on_settled([position])
+        elif admission is Admission.CONFLICT:
+            await self._tell(asker, question_id, request_id, "duplicate_question_id",
+                             f"question_id {question_id!r} was asked before, by the same principal, with other "
+                             f"content; that question stands and this one is not answered", position)
         return False
 
     def _apply_backpressure(self) -> int:

@@ -1,22 +1,28 @@
 """Answers, deltas, error answers and dead letters out to Kafka; each settles its source once acked.
 
-A question with a `reply_topic` gets its deltas and its answer there (keyed by question_id, so in
-order on one partition); one without gets them on the deltas and answers topics.
+A (signed) question with a `reply_topic` gets its deltas, its answer and its error answers there
+(keyed by question_id, so in order on one partition) and on no other topic: every other topic is one
+that a different principal may read. One without gets them on the deltas and answers topics. Each
+answer and delta is stamped with who asked (the `principal` header, `audit.principal`) and with the
+attempt that computed it (`AnswerDelta.attempt`, `audit.attempt`: one per Inbound), so the engine
+need not know either, and a reader can tell a redelivered question's second stream from the first.
 
 The publisher decides what goes where; consumers/records.py builds each record (cut to fit, with
-what ends its question should the broker refuse it), consumers/reply_topics.py picks and avoids
-reply topics, and consumers/sender.py sends, retries and settles. Settle tasks live in the
+what ends its question should the broker refuse it), consumers/reply_topics.py says which reply
+topics not to try now, and consumers/sender.py sends, retries and settles. Settle tasks live in the
 publisher's own task group, so leaving `async with Publisher(...)` waits for every ack in flight.
 
 No record stops the loop (consumers/delivery.py `decide` sorts the failures): every answer is cut to
 fit `max_request_size` before it is sent (`truncated` says so); a transient failure is sent again
-with backoff until `retry_s` after the record's first send (`reply_retry_s` on a caller's reply
-topic, then the answer takes the answers topic); a record refused for itself (too large, not
-encodable) ends its question another way (an answer becomes an error answer, then a dead letter; a
-delta is dropped: the answer carries the text); a reply topic the broker refuses is avoided for
-`avoid_s` (its answers take the answers topic). What is left, a failure past its window or a
-refusal of the fleet's own topics (answers, dead letters, deltas, questions), raises PublishFailed:
-the worker stops, and the source of that record is never settled, so never committed.
+with backoff until `retry_s` after the record's first send; a record refused for itself (too large,
+not encodable) ends its question another way (an answer becomes an error answer, then a dead letter;
+a delta is dropped: the answer carries the text). On a caller's reply topic the window is the
+question's deadline (its timeout from its publish time, at most `retry_s`; `retry_s` without one);
+an answer the topic has not taken by then, or that it refused, ends as a dead letter without its
+text, and a refused topic's next records end that way at once for `avoid_s`. What is left, a failure
+past its window or a refusal of the fleet's own topics (answers, dead letters, deltas, questions),
+raises PublishFailed: the worker stops, and the source of that record is never settled, so never
+committed.
 
 An answer finished while a rebalance is under way is decided in a task of its own once the new
 assignment is known, so the answers of the partitions this worker keeps are not held up behind it.
@@ -24,22 +30,28 @@ assignment is known, so the answers of the partitions this worker keeps are not 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import anyio
+import msgspec
 import structlog
 from aiokafka import AIOKafkaProducer
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from consumers.delivery import SIZE_HEADROOM
 from consumers.ledger import QuestionLedger
-from consumers.messages import Inbound, Outbound, Position
+from consumers.messages import Inbound, Outbound, Position, new_attempt
 from consumers.records import Headers, RecordBuilder
 from consumers.reply_topics import ReplyTopics
 from consumers.sender import ACK_WAIT_S, Sender
-from schemas import AnswerDelta, AnswerEvent, KafkaConfig
+from schemas import ANONYMOUS, AnswerDelta, AnswerEvent, KafkaConfig, Principal
 
 log = structlog.get_logger("kev.consumers.publisher")
+
+# An answer finished at (or after) its question's deadline still gets this long on its reply topic: one
+# try, where a window of nothing would not send it at all.
+REPLY_GRACE_S = 1.0
 
 
 class Publisher:
@@ -53,8 +65,7 @@ class Publisher:
         max_in_flight: int = 1024,
         max_request_size: int | None = None,  # the producer's (default cfg.max_request_size): records are cut to fit
         retry_s: float | None = None,  # from a record's first send until the worker gives up (cfg.publish_retry_ms)
-        reply_retry_s: float = 15.0,  # the same on a caller's reply topic; then the answers topic instead
-        avoid_s: float = 60.0,  # a reply topic the broker refused is not tried again for this long
+        avoid_s: float = 60.0,  # a reply topic the broker refused is not tried again for this long (fail fast)
         ownership=None,  # a RevocationListener: answers of partitions that moved away are left to their new owner
     ) -> None:
         self.cfg = cfg
@@ -62,13 +73,11 @@ class Publisher:
         self.ownership = ownership
         self.counts = {"answers": 0, "error_answers": 0, "deltas": 0, "dead_letters": 0, "abandoned": 0}
         max_request_size = cfg.max_request_size if max_request_size is None else max_request_size
-        retry_s = cfg.publish_retry_ms / 1000 if retry_s is None else retry_s
+        self.retry_s = cfg.publish_retry_ms / 1000 if retry_s is None else retry_s
         self._records = RecordBuilder(cfg, max_request_size - SIZE_HEADROOM)
-        self._reply_topics = ReplyTopics(cfg.answers_topic, avoid_s)
         self._task_group = anyio.create_task_group()
-        self._sender = Sender(producer, ledger, on_settled, self._task_group, self._reply_topics, self.counts,
-                              max_in_flight=max_in_flight, retry_s=retry_s,
-                              reply_retry_s=min(reply_retry_s, retry_s))
+        self._sender = Sender(producer, ledger, on_settled, self._task_group, ReplyTopics(avoid_s), self.counts,
+                              max_in_flight=max_in_flight, retry_s=self.retry_s)
 
     async def __aenter__(self) -> "Publisher":
         await self._task_group.__aenter__()
@@ -98,10 +107,15 @@ class Publisher:
         """Wait (bounded) until every record sent so far is acked or has failed."""
         await self._sender.quiesce(timeout)
 
-    async def error_answer(self, answer: AnswerEvent, source: Position) -> None:
-        """An answer for a question the engine never saw (invalid); settles `source` and its id."""
-        await self._sender.send(self._records.answer(self.cfg.answers_topic, answer, "error_answers", (source,),
-                                                     answer.question_id))
+    async def error_answer(self, answer: AnswerEvent, source: Position, *, principal: Principal = ANONYMOUS,
+                           reply_topic: str | None = None) -> None:
+        """An answer for a question the engine never saw (invalid, refused, a conflicting id) to `principal`,
+        on its `reply_topic` (a signed asker's, checked by the caller) or else the answers topic; settles
+        `source`. The question keeps no id in the ledger (see consumers/intake.py)."""
+        answer = _stamped(answer, principal, new_attempt())
+        topic = reply_topic or self.cfg.answers_topic
+        await self._sender.send(self._records.answer(topic, answer, "error_answers", (source,), answer.question_id,
+                                                     finishes=None))
 
     async def dead_letter(self, value: bytes | None, key: bytes | None, headers: Headers, source: Position,
                           reason: str, message: str) -> None:
@@ -130,15 +144,31 @@ class Publisher:
             self._leave_to_new_owner(answer, source)
 
     async def _publish_answer(self, answer: AnswerEvent, source: Inbound) -> None:
-        topic = self._reply_topics.choose(source.question.reply_topic)
+        answer = _stamped(answer, source.principal, source.attempt)
+        reply_topic = source.question.reply_topic
         kind = "error_answers" if answer.finish_reason == "error" else "answers"
-        await self._sender.send(self._records.answer(topic, answer, kind, (source.position,),
-                                                     source.question.question_id))
+        await self._sender.send(self._records.answer(reply_topic or self.cfg.answers_topic, answer, kind,
+                                                     (source.position,), source.question.question_id,
+                                                     finishes=source.key, window_s=self._reply_window(source)))
 
     async def _delta(self, delta: AnswerDelta, source: Inbound) -> None:
-        topic = self._reply_topics.choose(source.question.reply_topic)
-        topic = self.cfg.deltas_topic if topic == self.cfg.answers_topic else topic
-        await self._sender.send(self._records.delta(topic, delta, source.question.request_id))
+        delta = msgspec.structs.replace(delta, attempt=source.attempt)
+        await self._sender.send(self._records.delta(source.question.reply_topic or self.cfg.deltas_topic, delta,
+                                                    source.question.request_id, str(source.principal),
+                                                    self._reply_window(source)))
+
+    def _reply_window(self, source: Inbound) -> float | None:
+        """How long the question's replies may be retried on its reply topic: until its deadline (timeout_ms
+        from its publish time, a future stamp counting as now), at most `retry_s`; `retry_s` without a
+        deadline. None: it has no reply topic (the fleet's topics have the fleet's window)."""
+        if source.question.reply_topic is None:
+            return None
+        timeout_ms, published_ms = source.question.timeout_ms, source.published_ms
+        if timeout_ms is None or published_ms is None or published_ms < 0:
+            return self.retry_s
+        now = time.time()
+        left = min(published_ms / 1000, now) + timeout_ms / 1000 - now
+        return max(REPLY_GRACE_S, min(self.retry_s, left))
 
     # -- partitions that move during a rebalance ---------------------------------------------------------
     def _ours_now(self, answer: AnswerEvent, source: Inbound) -> bool | None:
@@ -158,10 +188,16 @@ class Publisher:
         return False
 
     def _positions(self, answer: AnswerEvent, source: Inbound) -> tuple[Position, ...]:
-        return source.position, *self.ledger.waiting(answer.question_id)
+        return source.position, *self.ledger.waiting(source.key)
 
     def _leave_to_new_owner(self, answer: AnswerEvent, source: Inbound) -> None:
-        self.ledger.abandon(answer.question_id)
+        self.ledger.abandon(source.key)
         self.counts["abandoned"] += 1
         log.info("answer_left_to_new_owner", question_id=answer.question_id, source_partition=source.partition,
                  source_offset=source.offset)
+
+
+def _stamped(answer: AnswerEvent, principal: Principal, attempt: str) -> AnswerEvent:
+    """The answer saying whose it is and which attempt computed it."""
+    return msgspec.structs.replace(answer, audit=msgspec.structs.replace(answer.audit, principal=str(principal),
+                                                                         attempt=attempt))

@@ -5,10 +5,12 @@ broker's ack (acks=all) and only then reports the source positions as done. Thos
 publisher's task group, so leaving `async with Publisher(...)` waits for every ack in flight.
 
 A failure is sorted by consumers/delivery.py `decide`: a transient one is sent again with backoff
-until `retry_s` after the record's first send (`reply_retry_s` on a caller's reply topic); a record
-refused for itself is replaced by its fallback (consumers/records.py); a reply topic the broker
-refuses is avoided (consumers/reply_topics.py). What is left raises PublishFailed, and the source of
-that record is never settled, so never committed.
+until `retry_s` after the record's first send (on a caller's reply topic: the record's own window, the
+question's deadline); a record refused for itself, or one its reply topic did not take within its
+window, is replaced by its fallback (consumers/records.py: an error answer, a dead letter; never
+another topic); a reply topic the broker refuses is avoided (consumers/reply_topics.py): its next
+records go to their fallback at once. What is left raises PublishFailed, and the source of that
+record is never settled, so never committed.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from consumers.delivery import Next, PublishFailed, Retries, decide, short_error
 from consumers.ledger import QuestionLedger
 from consumers.messages import Position
 from consumers.records import Record
-from consumers.reply_topics import ReplyTopics
+from consumers.reply_topics import ReplyTopics, UnusableReplyTopic
 
 log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
 
 ACK_WAIT_S = 1.0  # on revocation, how long the acks in flight are waited for (the rebalance waits too)
+# The publish loop waits this long at most for a reply topic's metadata on a record's first send; the
+# rest of its window is retried in its settle task, so one slow reply topic does not hold up every answer.
+REPLY_QUEUE_WAIT_S = 5.0
 
 
 class Sender:
@@ -45,7 +50,6 @@ class Sender:
         *,
         max_in_flight: int,
         retry_s: float,
-        reply_retry_s: float,
     ) -> None:
         self.producer = producer
         self.ledger = ledger
@@ -54,17 +58,21 @@ class Sender:
         self.reply_topics = reply_topics
         self.counts = counts
         self.retry_s = retry_s
-        self.reply_retry_s = reply_retry_s
         self._slots = anyio.Semaphore(max_in_flight)
         self._unacked = 0
         self._acked = anyio.Event()
 
     async def send(self, record: Record) -> None:
         """Queue the record (in call order, so one question's deltas precede its answer); a task settles it."""
+        if record.reply and (unusable := self.reply_topics.unusable(record.topic)) is not None:
+            record = self._fail_fast(record, unusable)
+            if record is None:
+                return
         await self._slots.acquire()
-        retries = Retries(self.retry_s)  # the window counts from here, the first send
+        retries = Retries(self._window(record))  # the window counts from here, the first send
+        within_s = retries.left()
         try:
-            pending = await self._try_send(record, retries.left(self._window(record)))
+            pending = await self._try_send(record, min(within_s, REPLY_QUEUE_WAIT_S) if record.reply else within_s)
         except BaseException:
             self._slots.release()
             raise
@@ -107,8 +115,8 @@ class Sender:
         record, metadata = delivered
         self.counts[record.kind] = self.counts.get(record.kind, 0) + 1  # "forwarded" appears only in kev route
         settles = list(record.settles)
-        if record.question_id is not None:
-            settles += self.ledger.finish(record.question_id)
+        if record.finishes is not None:
+            settles += self.ledger.finish(record.finishes)
         if settles:
             self.on_settled(settles)
             source = settles[0]
@@ -118,7 +126,8 @@ class Sender:
 
     async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries):
         """(the record acked, its metadata), or None when it was dropped; raises PublishFailed. One
-        window (`retries`) for the record and what replaces it: the question's, from its first send."""
+        window (`retries`) for the record and what replaces it, from its first send; only a dead letter
+        replacing a reply topic's record (whose window was its question's) gets one of its own."""
         first_of_fallback = False
         while True:
             try:
@@ -129,28 +138,38 @@ class Sender:
                 return None
             first_of_fallback = following is not record
             if following is record:
-                await retries.wait(self._window(record))
+                await retries.wait()
+            elif following.reply != record.reply:  # a reply topic's window was the question's: the fleet's own
+                retries = Retries(self._window(following))  # topic (the dead letter) gets a window of its own
             record = following
-            pending = await self._try_send(record, None if first_of_fallback or record.reply else retries.left())
+            pending = await self._try_send(record, None if first_of_fallback else retries.left())
 
     async def _ack(self, record: Record, pending: asyncio.Future | Exception, retries: Retries, *, bounded: bool):
-        """The broker's ack. Waited for within the record's window, except on a reply topic (given up
-        there, it could still arrive after its fallback: the answer twice) and for the first try of
-        a record replacing a refused one (its own try, bounded by request_timeout_ms)."""
+        """The broker's ack. Waited for within the record's window, except for the first try of a record
+        replacing a refused one (its own try, bounded by request_timeout_ms). A reply topic's record given
+        up may still arrive after its fallback: that is a dead letter without the text, never a second
+        answer where the caller reads."""
         if isinstance(pending, Exception):
             raise pending
-        if record.reply or not bounded:
+        if not bounded:
             return await pending
         with anyio.move_on_after(retries.left()):
             return await asyncio.shield(pending)  # not cancelled: aiokafka still owns the record
-        raise KafkaTimeoutError(f"no ack within {self.retry_s:g}s of the first send")
+        raise KafkaTimeoutError(f"no ack within {retries.budget_s:g}s of the first send")
 
     def _window(self, record: Record) -> float:
-        return self.reply_retry_s if record.reply else self.retry_s
+        return self.retry_s if record.window_s is None else record.window_s
+
+    def _fail_fast(self, record: Record, unusable: UnusableReplyTopic) -> Record | None:
+        """A record for a reply topic not to be tried now: its fallback instead (a dead letter, or nothing)."""
+        say = log.debug if record.kind == "deltas" else log.warning  # a stream would say it once per delta
+        say("reply_topic_unusable", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
+            reason=str(unusable))
+        return record.fallback(unusable) if record.fallback is not None else None
 
     def _after_failure(self, record: Record, error: Exception, retries: Retries) -> Record | None:
         """The record to send next (the same one to retry it), or None to drop it; raises PublishFailed."""
-        step = decide(error, reply=record.reply, exhausted=retries.exhausted(self._window(record)),
+        step = decide(error, reply=record.reply, exhausted=retries.exhausted(),
                       own_timestamp=record.timestamp_ms is not None)
         if step is Next.RETRY:
             log.warning("publish_retrying", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,

@@ -91,7 +91,6 @@ class KafkaWorker:
         consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
         producer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaProducer kwargs (may override any)
         publish_retry_s: float | None = None,  # default: cfg.publish_retry_ms (counted from an answer's first send)
-        reply_retry_s: float = 15.0,  # the same on a caller's reply topic; then its answer takes the answers topic
         reply_avoid_s: float = 60.0,  # a reply topic the broker refused is not tried again for this long
         commit_debounce_s: float = 0.05,  # a settled offset is committed this soon (settles close together share it)
         health_window_s: float = 30.0,
@@ -109,7 +108,6 @@ class KafkaWorker:
         self.consumer_options = dict(consumer_options or {})
         self.producer_options = dict(producer_options or {})
         self.publish_retry_s = cfg.publish_retry_ms / 1000 if publish_retry_s is None else publish_retry_s
-        self.reply_retry_s = reply_retry_s
         self.reply_avoid_s = reply_avoid_s
         self.health_window_s = health_window_s
         self.commit_debounce_s = commit_debounce_s
@@ -197,8 +195,8 @@ class KafkaWorker:
         max_request_size = self.producer_options.get("max_request_size", self.cfg.max_request_size)
         async with anyio.create_task_group() as tg:
             async with Publisher(self.producer, self.cfg, self.ledger, self._settled, max_request_size=max_request_size,
-                                 retry_s=self.publish_retry_s, reply_retry_s=self.reply_retry_s,
-                                 avoid_s=self.reply_avoid_s, ownership=self.listener) as publisher:
+                                 retry_s=self.publish_retry_s, avoid_s=self.reply_avoid_s,
+                                 ownership=self.listener) as publisher:
                 self._publisher = publisher
                 self.listener.before_commit = publisher.quiesce  # acks in flight are committed on revocation
                 self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,

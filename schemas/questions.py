@@ -96,13 +96,18 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
 class InvalidQuestion(Exception):
     """A question we can name but not run; the asker gets an error answer."""
 
-    def __init__(self, question_id: str, request_id: str | None, code: str, message: str) -> None:
+    def __init__(self, question_id: str, request_id: str | None, code: str, message: str,
+                 reply_topic: Any = None) -> None:
         message = message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 3] + "..."
         super().__init__(message)
         self.question_id = question_id
         self.request_id = request_id
         self.code = code  # invalid_field | empty_prompt | unsupported_schema | too_large | not_utf8 | not_json
         self.message = message
+        # The reply_topic the event named, if a string within the ceiling (None otherwise): where a signed
+        # asker waits for this error answer (the intake checks the signature and the pattern).
+        self.reply_topic = reply_topic if isinstance(reply_topic, str) and len(reply_topic) <= TOPIC_CHARS_CEILING \
+            else None
 
 
 MAX_ERROR_CHARS = 1000  # an error message goes into an answer: never an unbounded echo of the input
@@ -122,6 +127,7 @@ class _Envelope(Struct):
 
     question_id: Any = None
     request_id: Any = None
+    reply_topic: Any = None
 
 
 _ENVELOPE_DECODER = msgspec.json.Decoder(_Envelope)
@@ -147,7 +153,7 @@ def decode_question(
         raise _classify_failure(data, error, limits) from None
     except RecursionError:
         raise _too_deep() from None
-    _check_schema(question.schema, question.question_id, _bounded(question.request_id, limits))
+    _check_schema(question.schema, question.question_id, _bounded(question.request_id, limits), question.reply_topic)
     _check_bounds(question, limits)
     _check_prompt(question, limits.max_prompt_chars if max_prompt_chars is None else max_prompt_chars)
     try:
@@ -157,7 +163,7 @@ def decode_question(
         # with bytes that are not UTF-8 fails only here. The question is named: an error answer.
         bad = unparseable(data, error)
         raise InvalidQuestion(question.question_id, _bounded(question.request_id, limits), bad.reason,
-                              bad.message) from None
+                              bad.message, question.reply_topic) from None
 
 
 def _reject_oversized(data: bytes, max_bytes: int, limits: LimitsConfig) -> None:
@@ -169,7 +175,8 @@ def _reject_oversized(data: bytes, max_bytes: int, limits: LimitsConfig) -> None
         raise UndecodableEvent("too_large", message) from None
     if not _usable_id(envelope.question_id):
         raise UndecodableEvent("too_large", message)
-    raise InvalidQuestion(envelope.question_id, _bounded(envelope.request_id, limits), "too_large", message)
+    raise InvalidQuestion(envelope.question_id, _bounded(envelope.request_id, limits), "too_large", message,
+                          envelope.reply_topic)
 
 
 def _classify_failure(data: bytes, error: Exception, limits: LimitsConfig) -> Exception:
@@ -183,9 +190,9 @@ def _classify_failure(data: bytes, error: Exception, limits: LimitsConfig) -> Ex
     if not isinstance(tree, dict):
         return UndecodableEvent("not_object", f"expected a JSON object, got {json_kind(tree)}")
     question_id, request_id = _address(tree, limits)
-    _check_schema(tree.get("schema", SCHEMA_VERSION), question_id, request_id)
+    _check_schema(tree.get("schema", SCHEMA_VERSION), question_id, request_id, tree.get("reply_topic"))
     path, reason = explain(error, tree, QuestionEvent)
-    return InvalidQuestion(question_id, request_id, "invalid_field", f"{path}: {reason}")
+    return InvalidQuestion(question_id, request_id, "invalid_field", f"{path}: {reason}", tree.get("reply_topic"))
 
 
 def _too_deep() -> UndecodableEvent:
@@ -210,20 +217,22 @@ def _address(tree: dict, limits: LimitsConfig) -> tuple[str, str | None]:
 
 def _check_bounds(question: QuestionEvent, limits: LimitsConfig) -> None:
     """The configured bounds, tighter than the types' ceilings."""
-    request_id = _bounded(question.request_id, limits)
+    request_id, reply_topic = _bounded(question.request_id, limits), question.reply_topic
     for name in _BOUNDED_IDS:
         value = getattr(question, name)
         if value is not None and len(value) > limits.max_id_chars:
             raise InvalidQuestion(question.question_id, request_id, "invalid_field",
-                                  f"{name}: {len(value)} characters, at most {limits.max_id_chars} allowed")
+                                  f"{name}: {len(value)} characters, at most {limits.max_id_chars} allowed",
+                                  reply_topic)
     if question.messages is not None and len(question.messages) > limits.max_messages:
         raise InvalidQuestion(question.question_id, request_id, "invalid_field",
-                              f"messages: {len(question.messages)} items, at most {limits.max_messages} allowed")
+                              f"messages: {len(question.messages)} items, at most {limits.max_messages} allowed",
+                              reply_topic)
     size = constraint_chars(question.params.response_format)
     if size > limits.max_constraint_chars:
         raise InvalidQuestion(question.question_id, request_id, "invalid_field",
                               f"params.response_format: {size} characters, at most {limits.max_constraint_chars} "
-                              f"allowed")
+                              f"allowed", reply_topic)
 
 
 def _with_unknown_fields(question: QuestionEvent, data: bytes) -> QuestionEvent:
@@ -245,18 +254,18 @@ def _short(name: str) -> str:
     return name if len(name) <= 80 else name[:77] + "..."
 
 
-def _check_schema(schema: Any, question_id: str, request_id: str | None) -> None:
+def _check_schema(schema: Any, question_id: str, request_id: str | None, reply_topic: Any) -> None:
     if isinstance(schema, (bool, list, dict)) or schema not in SUPPORTED_SCHEMAS:  # lists: unhashable
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_SCHEMAS))
         raise InvalidQuestion(
             question_id, request_id, "unsupported_schema",
-            f"schema: version {show(schema)} is not supported (supported: {supported})",
+            f"schema: version {show(schema)} is not supported (supported: {supported})", reply_topic,
         )
 
 
 def _check_prompt(question: QuestionEvent, max_prompt_chars: int) -> None:
     def invalid(code: str, message: str) -> InvalidQuestion:
-        return InvalidQuestion(question.question_id, question.request_id, code, message)
+        return InvalidQuestion(question.question_id, question.request_id, code, message, question.reply_topic)
 
     if question.prompt is None and question.messages is None:
         raise invalid("empty_prompt", "prompt: missing; give prompt or messages")

@@ -4,8 +4,9 @@ import pytest
 
 from consumers.backpressure import Watermarks
 from consumers.ledger import Admission, QuestionLedger
-from consumers.messages import Partition, Position
+from consumers.messages import Partition, Position, QuestionKey
 from consumers.offsets import OffsetRegression, OffsetTracker
+from schemas.principal import ANONYMOUS, Principal
 
 P0 = Partition("kev.questions", 0)
 P1 = Partition("kev.questions", 1)
@@ -121,28 +122,48 @@ def test_forget_leaves_out_positions_already_committed():
     assert tracker.forget([P0, P1]) == {}
 
 
-def test_ledger_answers_a_question_id_once():
+def key(question_id: str, principal: Principal = ANONYMOUS) -> QuestionKey:
+    return QuestionKey(principal, question_id)
+
+
+def test_ledger_answers_a_question_once():
     ledger = QuestionLedger()
     first, redelivered, retried = Position("q", 0, 5), Position("q", 0, 5), Position("q", 1, 9)
-    assert ledger.admit("a", first) is Admission.NEW
-    assert ledger.admit("a", redelivered) is Admission.IN_FLIGHT
-    assert ledger.admit("a", retried) is Admission.IN_FLIGHT
-    assert ledger.finish("a") == [redelivered, retried]
-    assert ledger.admit("a", Position("q", 0, 12)) is Admission.ANSWERED
+    assert ledger.admit(key("a"), b"same", first) is Admission.NEW
+    assert ledger.admit(key("a"), b"same", redelivered) is Admission.IN_FLIGHT
+    assert ledger.admit(key("a"), b"same", retried) is Admission.IN_FLIGHT
+    assert ledger.finish(key("a")) == [redelivered, retried]
+    assert ledger.admit(key("a"), b"same", Position("q", 0, 12)) is Admission.ANSWERED
     assert ledger.in_flight() == 0
+
+
+def test_ledger_keys_on_who_asked_and_tells_a_changed_question_from_a_redelivery():
+    ledger = QuestionLedger()
+    tenant = Principal("gw", "acme")
+    assert ledger.admit(key("order-42"), b"attacker", Position("q", 0, 0)) is Admission.NEW
+    assert ledger.admit(key("order-42", tenant), b"tenant", Position("q", 0, 1)) is Admission.NEW  # not a duplicate
+    assert ledger.admit(key("order-42", Principal("gw", "other")), b"tenant", Position("q", 0, 2)) is Admission.NEW
+    # The same principal and id with other bytes: a conflict, before and after the first is answered; the
+    # first keeps its waiting redeliveries and its digest.
+    assert ledger.admit(key("order-42", tenant), b"changed", Position("q", 0, 3)) is Admission.CONFLICT
+    assert ledger.waiting(key("order-42", tenant)) == []
+    assert ledger.finish(key("order-42", tenant)) == []
+    assert ledger.admit(key("order-42", tenant), b"changed", Position("q", 0, 4)) is Admission.CONFLICT
+    assert ledger.admit(key("order-42", tenant), b"tenant", Position("q", 0, 5)) is Admission.ANSWERED
+    assert ledger.admit(QuestionKey(tenant, "order-42", sample=1), b"tenant", Position("q", 0, 6)) is Admission.NEW
 
 
 def test_ledger_forgets_the_least_recently_seen_beyond_capacity():
     ledger = QuestionLedger(capacity=2)
     for question_id in ("a", "b"):
-        ledger.admit(question_id, Position("q", 0, 0))
-        ledger.finish(question_id)
-    assert ledger.admit("a", Position("q", 0, 1)) is Admission.ANSWERED  # "a" is now the most recent
-    ledger.admit("c", Position("q", 0, 2))
-    ledger.finish("c")
+        ledger.admit(key(question_id), b"v", Position("q", 0, 0))
+        ledger.finish(key(question_id))
+    assert ledger.admit(key("a"), b"v", Position("q", 0, 1)) is Admission.ANSWERED  # "a" is now the most recent
+    ledger.admit(key("c"), b"v", Position("q", 0, 2))
+    ledger.finish(key("c"))
     assert ledger.answered() == 2
-    assert ledger.admit("b", Position("q", 0, 3)) is Admission.NEW
-    assert ledger.admit("a", Position("q", 0, 4)) is Admission.ANSWERED
+    assert ledger.admit(key("b"), b"v", Position("q", 0, 3)) is Admission.NEW
+    assert ledger.admit(key("a"), b"v", Position("q", 0, 4)) is Admission.ANSWERED
 
 
 def test_watermarks_pause_at_high_and_resume_only_at_low():

@@ -69,7 +69,8 @@ async def test_answers_are_published_and_offsets_committed_only_after_the_ack(ka
     for i in range(6):
         record = answers[f"q{i}"]
         assert dict(record.headers) == {"schema": b"1", "content-type": b"application/json",
-                                        "question_id": f"q{i}".encode(), "request_id": f"r{i}".encode()}
+                                        "question_id": f"q{i}".encode(), "request_id": f"r{i}".encode(),
+                                        "principal": b"unsigned/-"}
         answer = decode_answer(record.value)
         assert (answer.question_id, answer.request_id, answer.text) == (f"q{i}", f"r{i}", f"echo: prompt {i}")
 

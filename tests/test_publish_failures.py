@@ -8,10 +8,11 @@
 - how each of aiokafka's own errors is sorted (retry, another record, avoid a reply topic, stop);
 - a broker that goes away and comes back within the retry budget: the answer is published once it
   is back, and only then committed; on a caller's reply topic too (it is not given up after one
-  failure); a broker that does not come back ends the worker publish_retry_s after the answer's first
-  send, however long one request may take;
-- a reply topic the broker refuses: its answers take the answers topic for a while, then it is
-  tried again;
+  failure, nor sent elsewhere); a broker that does not come back ends the worker publish_retry_s
+  after the answer's first send, however long one request may take;
+- a reply topic the broker refuses: its answer ends as a dead letter without its text at the
+  question's deadline, the next ones at once while the topic is avoided, then it is tried again;
+  nothing goes to the answers topic;
 - `kev serve`: an oversized answer and a 900 KB request_id do not stop the worker; a broker gone for
   longer than kafka.publish_retry_ms makes it exit 1 with one kev.kafka_failed line.
 """
@@ -238,10 +239,11 @@ def test_each_of_aiokafkas_errors_is_sorted_into_retry_another_record_avoid_the_
     # A caller's reply topic: a leader move is retried like anywhere else (not given up at once), ...
     assert on_reply_topic(KafkaTimeoutError()) is Next.RETRY
     assert on_reply_topic(NotLeaderForPartitionError()) is Next.RETRY
-    # ... still away after the (shorter) reply window: this answer takes the answers topic, the topic stays;
+    # ... still away at the question's deadline: this answer ends in its fallback (a dead letter without its
+    # text, never another topic), the topic stays;
     assert on_reply_topic(KafkaTimeoutError(), exhausted=True) is Next.FALLBACK
     assert on_reply_topic(MessageSizeTooLargeError()) is Next.FALLBACK
-    # refused, or unknown after its retries: avoided for a while.
+    # refused, or unknown after its retries: its fallback, and its next records fall back at once for a while.
     for refusal in (TopicAuthorizationFailedError(), InvalidTopicError(), PolicyViolationError()):
         assert on_reply_topic(refusal) is Next.AVOID_TOPIC, refusal
     assert on_reply_topic(UnknownTopicOrPartitionError(), exhausted=True) is Next.AVOID_TOPIC
@@ -292,8 +294,7 @@ async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_ans
         with capture_logs() as logs:
             # Windows far above the ~3 s this takes alone: on a loaded CI machine the restarted broker's
             # topics (memory storage: re-created on first use) can take a while to come back.
-            async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=90.0,
-                                      reply_retry_s=60.0):
+            async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=90.0):
                 await produce_records(bootstrap, cfg.questions_topic, [signed("warm", cfg, reply_topic=reply_topic),
                                                                        signed("held", cfg, reply_topic=reply_topic)])
                 await read_topic(elsewhere, reply_topic, 1, linger=0)  # the reply topic is known and written
@@ -317,31 +318,40 @@ async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_ans
     assert not [e for e in logs if e["event"] == "publish_refused"]
 
 
-async def test_a_reply_topic_the_broker_refuses_is_avoided_for_a_while_then_tried_again(kafka_broker):
+async def test_a_reply_topic_the_broker_refuses_ends_answers_as_dead_letters_and_is_avoided_for_a_while(
+        kafka_broker):
     # ".." passes the name check and (here) the reply-topic pattern, but the broker never creates it: its
-    # metadata stays unknown (UnknownTopicOrPartition) past the reply window. The answer takes the answers
-    # topic; the next one for that topic goes there at once; after avoid_s the topic is tried again.
+    # metadata stays unknown (UnknownTopicOrPartition) until the question's deadline (1.5 s). The answer
+    # ends as a dead letter without its text, never on the answers topic; the next one for that topic
+    # goes there at once, untried; after avoid_s the topic is tried again.
     trust = TrustConfig(keys={"t": "a-secret-for-the-tests"}, reply_topic_pattern=r"\.\.")
     cfg = kafka_config(kafka_broker, partitions=1, trust=trust)
     bootstrap = kafka_broker.bootstrap_servers
     with capture_logs() as logs:
-        async with running_worker(cfg, producer_options={"request_timeout_ms": 500}, reply_retry_s=1.0,
-                                  reply_avoid_s=3.0):
-            await produce_records(bootstrap, cfg.questions_topic, [signed("first", cfg, reply_topic="..")])
-            await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
+        async with running_worker(cfg, producer_options={"request_timeout_ms": 500}, reply_avoid_s=3.0):
+            await produce_records(bootstrap, cfg.questions_topic, [signed("first", cfg, reply_topic="..",
+                                                                          timeout_ms=1500)])
+            await read_topic(bootstrap, cfg.dlq_topic, 1, linger=0)
             avoided_at = time.monotonic()
-            await produce_records(bootstrap, cfg.questions_topic, [signed("while-avoided", cfg, reply_topic="..")])
-            await read_topic(bootstrap, cfg.answers_topic, 2, linger=0)
+            await produce_records(bootstrap, cfg.questions_topic, [signed("while-avoided", cfg, reply_topic="..",
+                                                                          timeout_ms=1500)])
+            await read_topic(bootstrap, cfg.dlq_topic, 2, linger=0)
             await anyio.sleep(max(0.0, avoided_at + 3.2 - time.monotonic()))
-            await produce_records(bootstrap, cfg.questions_topic, [signed("after-expiry", cfg, reply_topic="..")])
-            answers = await read_topic(bootstrap, cfg.answers_topic, 3, timeout=20, linger=0.3)
+            await produce_records(bootstrap, cfg.questions_topic, [signed("after-expiry", cfg, reply_topic="..",
+                                                                          timeout_ms=1500)])
+            dead = await read_topic(bootstrap, cfg.dlq_topic, 3, timeout=20, linger=0.3)
             await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
-    assert [r.key for r in answers] == [b"first", b"while-avoided", b"after-expiry"]
-    assert all(decode_answer(r.value).error is None for r in answers)
+            answers = await read_topic(bootstrap, cfg.answers_topic, 0, linger=0.3)
+    assert answers == []
+    assert [r.key for r in dead] == [b"first", b"while-avoided", b"after-expiry"]
+    assert all(dict(r.headers)["dlq.reason"] == b"reply_topic_unwritable" for r in dead)
+    assert all(decode_answer(r.value).text == "" for r in dead)
     tried = [e["question_id"] for e in logs if e["event"] == "publish_retrying" and e["topic"] == ".."]
     assert "first" in tried and "after-expiry" in tried and "while-avoided" not in tried, tried
     refused = [e for e in logs if e["event"] == "publish_refused"]
     assert [e["question_id"] for e in refused] == ["first", "after-expiry"] and refused[0]["topic_avoided_s"] == 3.0
+    untried, = [e for e in logs if e["event"] == "reply_topic_unusable"]
+    assert untried["question_id"] == "while-avoided" and "refused by the broker" in untried["reason"]
 
 
 async def test_a_broker_that_stays_away_ends_the_worker_publish_retry_s_after_the_answers_first_send(
