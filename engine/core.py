@@ -148,13 +148,25 @@ class EngineCore:
     def _expire(self, question: QuestionEvent, arrival: float, published: float | None, now: float) -> Sequence:
         """End a question that is past its deadline on arrival: answered at the next step, never computed."""
         why = expired_message(_clock_start(arrival, published), arrival, self._timeout_ms(question), now)
+        seq = self._never_computed(question, arrival, Status.TIMEOUT, why)
+        log.info("question.expired", question_id=question.question_id, why=why)
+        return seq
+
+    def withdraw(self, question: QuestionEvent, arrival: float) -> Sequence:
+        """End a question cancelled before it was queued (Engine was still preparing it): answered
+        "cancelled" at the next step, never computed."""
+        if question.question_id in self.output:
+            raise QuestionRejected("duplicate_question_id", f"question {question.question_id!r} is already in flight")
+        return self._never_computed(question, arrival, Status.CANCELLED)
+
+    def _never_computed(self, question: QuestionEvent, arrival: float, status: Status,
+                        why: str | None = None) -> Sequence:
         seq = Sequence(question_id=question.question_id, prompt_ids=[],
                        params=self.defaults.resolve(question.params, self.stop_token_ids),
                        priority=question.priority, arrival=arrival, adapter=question.adapter)
         seq.error = why
-        self.scheduler.finish(seq, Status.TIMEOUT)
+        self.scheduler.finish(seq, status)
         self.output.track(question, seq)
-        log.info("question.expired", question_id=question.question_id, why=why)
         return seq
 
     def _timeout_ms(self, question: QuestionEvent) -> int | None:

@@ -3,6 +3,12 @@
 The step loop runs on one worker thread that owns the device; async callers only ever wait on events,
 never on a forward. Commands go in through a thread-safe queue; each step's results come back to the
 event loop in one call.
+
+`submit` prepares a question before the device thread sees it: its prompt is tokenized on one worker
+thread, and its response_format compiled on the compile threads under its principal's budget
+(engine/compile_budget.py). Many submits may prepare at once; one that needs no compile never waits
+for a compile. A question cancelled while it is prepared stops there and ends "cancelled", never
+compiled or computed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import sniffio
 import structlog
 
 from engine.adapters.files import LoraAdapter
+from engine.compile_budget import CompileBudget, compile_threads
+from engine.compile_threads import CompileThreads, CompileThreadsClosed
 from engine.core import EngineCore
 from engine.defaults import Defaults
 from engine.intake import QuestionRejected
@@ -32,15 +40,15 @@ from engine.output.processor import StepEvents
 from engine.prompt import as_question
 from engine.schedule.deadlines import published_at
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
+from schemas.principal import ANONYMOUS, Principal
 
 _STOP = object()
 _CLOSED = ("engine_closed", "the engine closed before this question started")  # why a question never started
 # Prompts are rendered and tokenized on one worker thread at a time, in arrival order; the tokenizer
 # is shared with the device thread's detokenizing, and one thread keeps encodes from contending.
 TOKENIZING_THREADS = 1
-# response_format grammars compile on their own worker thread: a slow schema holds up neither the steps
-# nor the tokenizing of questions behind it, only its own question.
-COMPILING_THREADS = 1
+# response_format grammars compile on their own threads, below the step's priority, each principal a few
+# at a time (engine/compile_budget.py): a slow schema holds up neither the steps nor the questions behind it.
 log = structlog.get_logger("kev.engine")
 
 
@@ -80,7 +88,8 @@ class Engine:
         self._places = anyio.Semaphore(places if self.options.overflow_policy == "wait" else 1 << 30)
         self._task_group = None
         self._tokenizing: anyio.CapacityLimiter | None = None
-        self._compiling: anyio.CapacityLimiter | None = None
+        self.compiles: CompileBudget | None = None
+        self._preparing: dict[str, anyio.CancelScope] = {}  # question_id -> its preparation, which a cancel ends
         self.closed = False
 
     async def __aenter__(self) -> "Engine":
@@ -97,12 +106,13 @@ class Engine:
 
     # -- the public face ---------------------------------------------------------------------------
     async def submit(self, question, *, arrival: float | None = None, published_ms: int | None = None,
-                     cancelled: bool = False, **params) -> Handle:
+                     cancelled: bool = False, principal: Principal = ANONYMOUS, **params) -> Handle:
         """Queue a question. `arrival` (time.monotonic()) is when it really arrived, for its timings;
         `published_ms` (ms since the epoch, a Kafka record's timestamp) is when it was published, for
         its deadline (see engine/schedule/deadlines.py); `cancelled`: a cancel came before it, so it ends
-        "cancelled" without computing. Its prompt is rendered and tokenized here, on a worker thread,
-        so a huge prompt never holds up a step; a prompt over the limits is answered here."""
+        "cancelled" without computing; `principal`: who asked, whose compile budget its response_format
+        uses. Its prompt is rendered and tokenized here, on a worker thread, so a huge prompt never holds
+        up a step; a prompt over the limits, or a response_format that does not compile, is answered here."""
         question = as_question(question, next(self._numbers), **params)
         if self.closed:
             raise RuntimeError("the engine is closed")
@@ -122,32 +132,49 @@ class Engine:
         arrival = time.monotonic() if arrival is None else arrival
         published = published_at(published_ms)
         try:
-            prompt_ids = await self._prepare(question, arrival, published)
+            prompt_ids = await self._prepare(handle, arrival, published, principal)
         except QuestionRejected as rejected:
-            self._drop(handle, rejected_answer(question, rejected))
-            return handle
-        except BaseException:  # the submitter was cancelled while its prompt was tokenized
+            if not handle.cancelling:  # cancelled meanwhile: "cancelled" is what its asker waits for
+                self._drop(handle, rejected_answer(question, rejected))
+                return handle
+            prompt_ids = None
+        except BaseException:  # the submitter was cancelled while its question was prepared
             self._drop(handle, None)
             raise
-        if self.closed:  # closed while it was tokenized: the step loop may have stopped reading commands
+        if self.closed:  # closed while it was prepared: the step loop may have stopped reading commands
             self._drop(handle, rejected_answer(question, QuestionRejected(*_CLOSED)))
             return handle
-        self._commands.put(("add", (question, prompt_ids, arrival, published)))
+        if handle.cancelling:  # before or while it was prepared: it ends "cancelled" at the next step
+            self._commands.put(("withdraw", (question, arrival)))
+        else:
+            self._commands.put(("add", (question, prompt_ids, arrival, published)))
         return handle
 
-    async def _prepare(self, question: QuestionEvent, arrival: float, published: float | None) -> list[int] | None:
-        """Its prompt ids, tokenized off the device thread; None when its deadline has already passed
-        (the engine answers it "timeout" without tokenizing or computing anything)."""
+    async def _prepare(self, handle: Handle, arrival: float, published: float | None,
+                       principal: Principal) -> list[int] | None:
+        """Its prompt ids, tokenized off the device thread, and its response_format compiled (or found
+        cached); None when its deadline has already passed (the engine answers it "timeout" without
+        tokenizing or computing anything) or when it was cancelled meanwhile (`handle.cancelling`)."""
+        question = handle.question
         ends_at = self.core.deadline(question, arrival, published)
-        if ends_at is not None and time.monotonic() >= ends_at:
+        if handle.cancelling or (ends_at is not None and time.monotonic() >= ends_at):
             return None
         if self._tokenizing is None:  # made here: a CapacityLimiter needs a running event loop
             self._tokenizing = anyio.CapacityLimiter(TOKENIZING_THREADS)
-            self._compiling = anyio.CapacityLimiter(COMPILING_THREADS)
-        prompt_ids = await anyio.to_thread.run_sync(self.core.prepare, question, limiter=self._tokenizing)
-        if question.params.response_format is not None:  # compiled (or found cached) before it is queued
-            await anyio.to_thread.run_sync(self.core.constraints.prepare, question, limiter=self._compiling)
-        return prompt_ids
+            self.compiles = CompileBudget(CompileThreads(compile_threads(), _loop_poster()),
+                                          self.options.compiles_per_principal)
+        # A cancel ends the wait for the tokenizer, a compile place or a compile at once (a compile
+        # already running finishes unread; its grammar is cached); a tokenize already running finishes first.
+        with anyio.CancelScope() as self._preparing[question.question_id]:
+            try:
+                prompt_ids = await anyio.to_thread.run_sync(self.core.prepare, question, limiter=self._tokenizing)
+                if question.params.response_format is not None:
+                    await self.compiles.run(principal, self.core.constraints.prepare, question)
+            except CompileThreadsClosed:  # the engine closed while it waited for a compile place
+                raise QuestionRejected(*_CLOSED) from None
+            finally:
+                del self._preparing[question.question_id]
+        return None if handle.cancelling else prompt_ids
 
     def _drop(self, handle: Handle, answer: AnswerEvent | None) -> None:
         """A question that never reached the core: answer it here (or just forget it) and free its place."""
@@ -169,6 +196,9 @@ class Engine:
         question_id = handle if isinstance(handle, str) else handle.question_id
         if question_id in self._handles:
             self._handles[question_id].cancelling = True
+        preparing = self._preparing.get(question_id)
+        if preparing is not None:  # not queued yet: it stops preparing, and submit withdraws it
+            preparing.cancel()
         self._commands.put(("cancel", question_id))
 
     async def load_adapter(self, name: str, path, version: int | None = None) -> LoraAdapter:
@@ -198,6 +228,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self._commands.put(_STOP)
+            if self.compiles is not None:
+                self.compiles.close()
 
     @property
     def in_flight(self) -> int:
@@ -263,13 +295,16 @@ class Engine:
             if command[0] == "call":
                 command[1].error = RuntimeError("the engine closed before this call ran")
                 anyio.from_thread.run_sync(command[1].done.set)
-            elif command[0] == "add":  # its submitter is waiting for an answer: give it one
+            elif command[0] in ("add", "withdraw"):  # its submitter is waiting for an answer: give it one
                 closed = rejected_answer(command[1][0], QuestionRejected(*_CLOSED))
                 self._deliver_from_thread(StepEvents(answers=[closed]))
 
     def _apply(self, verb: str, arg) -> None:
         if verb == "cancel":
             self.core.cancel(arg)
+            return
+        if verb == "withdraw":
+            self._withdraw(*arg)
             return
         if verb == "call":
             arg.run()
@@ -279,13 +314,21 @@ class Engine:
         try:
             self.core.add(question, prompt_ids, arrival=arrival, published=published)
             handle = self._handles.get(question.question_id)
-            if handle is not None and handle.cancelling:  # cancelled before (or while) it was tokenized
+            if handle is not None and handle.cancelling:  # a cancel on its way behind it: apply it now
                 self.core.cancel(question.question_id)
         except QuestionRejected as exc:
             self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, exc)]))
         except Exception as exc:  # noqa: BLE001 - one question's failure is its own: the device thread goes on
             log.exception("engine.add_failed", question_id=question.question_id)
             failed = QuestionRejected("internal_error", f"the question could not be queued: {type(exc).__name__}")
+            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
+
+    def _withdraw(self, question: QuestionEvent, arrival: float) -> None:
+        try:
+            self.core.withdraw(question, arrival)
+        except Exception as exc:  # noqa: BLE001 - as in _apply: its answer says so, the device thread goes on
+            log.exception("engine.withdraw_failed", question_id=question.question_id)
+            failed = QuestionRejected("internal_error", f"the question could not be ended: {type(exc).__name__}")
             self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:

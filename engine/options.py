@@ -62,6 +62,7 @@ class EngineOptions:
     routing_buckets: int = _key("router.channel_pool_size")
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
+    compiles_per_principal: int = 2  # response_format compiles one principal may hold at once (compile_budget.py)
     speculative: SpeculativeMethod = _key("speculative.method")  # off | ngram | draft_model (docs/speculative.md)
     draft_model: str | None = _key("speculative.draft_model")  # draft_model: a model Kev loads, same tokenizer
     draft_layers: int | None = _key("speculative.draft_layers")  # draft_model: the first N layers only

@@ -3,9 +3,9 @@
 A compiled grammar is an llguidance matcher at its start state, with the first mask already computed:
 that first mask finishes llguidance's lazy build, and it is the first mask of every question that
 asks for this format. A question gets a copy of the matcher (tens of microseconds). Compiling drops the
-GIL; `Engine` compiles on a worker thread, so a new schema never holds up a step, and a question whose
-grammar is compiling waits alone. Formats that fail to compile are kept too, with their reason, so a
-flood of one bad schema is compiled once.
+GIL; `Engine` compiles on its compile threads (engine/compile_threads.py), so a new schema never holds
+up a step, and a question whose grammar is compiling waits alone. Formats that fail to compile are kept
+too, with their reason, so a flood of one bad schema is compiled once.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def llg_tokenizer(tokenizer, eos_token_id: int) -> llguidance.LLTokenizer:
 
 
 class GrammarCache:
-    """Thread-safe: compiled on the tokenizing side, read on the device thread."""
+    """Thread-safe: compiled on the compile threads, read on the device thread. Two threads asking for
+    one new format at once compile it once."""
 
     def __init__(self, tokenizer, eos_token_id: int, capacity: int):
         self._hf_tokenizer = tokenizer
@@ -68,6 +69,7 @@ class GrammarCache:
         self.capacity = capacity
         self.stats = GrammarStats()
         self._entries: OrderedDict[str, CompiledGrammar | InvalidConstraint] = OrderedDict()
+        self._compiling: dict[str, threading.Event] = {}  # digest -> set once its compile is kept
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
 
@@ -86,14 +88,28 @@ class GrammarCache:
 
     def get(self, spec: ConstraintSpec) -> CompiledGrammar:
         """The compiled grammar of `spec`, compiled now on a miss; raises InvalidConstraint."""
-        with self._lock:
-            entry = self._entries.get(spec.digest)
-            if entry is not None:
-                self._entries.move_to_end(spec.digest)
-                self.stats.cache_hits += 1
-        if entry is None:
-            entry = self._compile(spec)  # outside the lock: another thread's hit never waits on a compile
-            self._keep(spec.digest, entry)
+        entry = None
+        while entry is None:
+            with self._lock:
+                entry = self._entries.get(spec.digest)
+                if entry is not None:
+                    self._entries.move_to_end(spec.digest)
+                    self.stats.cache_hits += 1
+                    break
+                compiling = self._compiling.get(spec.digest)
+                mine = compiling is None
+                if mine:
+                    compiling = self._compiling[spec.digest] = threading.Event()
+            if not mine:  # another thread compiles this very format: wait for it, not a second compile
+                compiling.wait()
+                continue
+            try:
+                entry = self._compile(spec)  # outside the lock: another thread's hit never waits on a compile
+                self._keep(spec.digest, entry)
+            finally:
+                with self._lock:
+                    del self._compiling[spec.digest]
+                compiling.set()
         if isinstance(entry, InvalidConstraint):
             raise entry
         return entry
