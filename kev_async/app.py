@@ -1,9 +1,13 @@
 """The Kev service: Kafka in, the scheduler actor, Kafka out — wired, started in order, stopped gracefully.
 
     consumers.KafkaWorker ──Inbound──► [engine.questions] ──► engine_actor ──► [engine.answers] ──Outbound──┐
-            ▲                                 ▲                                                             │
-            │ kev.control ─► control_actor ───┘ LoadAdapter / UnloadAdapter / UpdateDefaults (ask), Cancel  │
+            ▲                                                      ▲                                        │
+            │ kev.control ─► control_actor ─► [engine.control] ────┘ LoadAdapter / UnloadAdapter /          │
+            │                                                        UpdateDefaults (ask), Cancel           │
             └──────────────────────── acked answers, then committed offsets ◄──────────────────────────────┘
+
+Control has its own mailbox, read ahead of and apart from the questions: a cancel (what frees a
+hung-up client's KV blocks) never queues behind questions the engine has no place for yet.
 
 aiokafka is asyncio-only, so the service runs on anyio's asyncio backend.
 """
@@ -46,6 +50,7 @@ EMBEDDED_CONSUMER_OPTIONS = {"session_timeout_ms": 6000, "heartbeat_interval_ms"
 # (rebalance timeout equal to it, heartbeats at a tenth of it) on any broker.
 SESSION_TIMEOUT_ENV = "KEV_KAFKA_SESSION_TIMEOUT_MS"
 CONTROL_TIMEOUT_S = 120.0  # the engine actor applies one control command within this, or it is logged as failed
+CONTROL_CAPACITY = 64  # cancels and commands waiting for the engine actor; a burst of cancels is cheap to apply
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     options = EngineOptions.from_config(cfg, worker=name)
     capacity = 2 * cfg.router.max_parallel_queries
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)
+    control = Mailbox("engine.control", CONTROL_CAPACITY)
     metrics = Metrics(log_prompts=cfg.logging.log_prompts)
-    metrics.watch_mailboxes(questions, answers)
+    metrics.watch_mailboxes(questions, control, answers)
     async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka, cfg.broker) as kafka_cfg:
         # Before any actor starts: kept commands signed by keys this worker lacks would revert silently (a key
         # rotation half done), so it refuses to start, naming them (consumers/control_history.py).
@@ -105,14 +111,14 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
             # The scheduler starts first and is restarted alone if it crashes (its questions get error
             # answers); a broken Kafka connection is not retried here: the process exits non-zero and
             # Kafka redelivers whatever was not committed.
-            Child("scheduler", partial(engine_actor, wrap=metrics.wrap(Outbound),
+            Child("scheduler", partial(engine_actor, control=control.receive, wrap=metrics.wrap(Outbound),
                                        engine_factory=lambda: metrics.watch_engine(Engine(model, options)),
                                        state=ControlState()),  # shared by every start: adapters, defaults
                   (questions.receive, answers.send), RestartPolicy(max_restarts=3, within_s=60)),
             # Control commands next: it is ready once the commands already on the control topic are applied,
             # so the questions taken after it see those adapters and defaults. A crash restarts it (it
-            # replays the topic again); its own clone of the inbox's send end closes when it ends.
-            Child("control", control_actor, (kafka_cfg, questions, shutdown, cfg.adapters),
+            # replays the topic again); its own clone of the control mailbox's send end closes when it ends.
+            Child("control", control_actor, (kafka_cfg, control, shutdown, cfg.adapters),
                   RestartPolicy(max_restarts=3, within_s=60, backoff_s=1.0)),
             # Last, and never restarted in place: if it ends on its own the watch stops the service and
             # raises KafkaLoopFailed (`kev serve` exits 1), so the process is restarted from outside.
@@ -129,15 +135,17 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
         kafka_watch.raise_if_failed()
 
 
-async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Shutdown,
+async def control_actor(kafka_cfg: KafkaConfig, control: Mailbox, shutdown: Shutdown,
                         adapters: AdaptersConfig = AdaptersConfig(), *,
                         reader=run_control_reader, audit=run_control_audit, timeout: float = CONTROL_TIMEOUT_S,
                         task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Apply the control topic's signed commands through the engine actor's inbox until shutdown is requested.
+    """Apply the control topic's signed commands through the engine actor's control mailbox until shutdown
+    is requested (its question inbox works too, as in tests: the commands then queue behind questions).
 
-    Sends on a clone of the inbox's send end, closed when this actor ends, so the inbox still ends
-    once the Kafka intake closes the original (the engine's graceful stop). Ready once every command
-    already on the topic has been applied; each command is sent with `ask` and applied before the next.
+    Sends on a clone of the mailbox's send end, closed when this actor ends, so a question inbox given
+    here still ends once the Kafka intake closes the original (the engine's graceful stop). Ready once
+    every command already on the topic has been applied; each command is sent with `ask` and applied
+    before the next.
     Adapters load only from under `adapters.root`. Once ready it also joins the control audit
     (consumers/control_audit.py: dead letters for rejected commands, one per record for the fleet, and
     tombstones for old cancels); `audit=None` leaves it out. The audit retries its own failures and
@@ -146,8 +154,8 @@ async def control_actor(kafka_cfg: KafkaConfig, questions: Mailbox, shutdown: Sh
     started = False
     with shutdown.intake():
         try:
-            inbox = questions.send.clone()
-        except anyio.ClosedResourceError:  # the intake has closed the inbox: the engine is stopping
+            inbox = control.send.clone()
+        except anyio.ClosedResourceError:  # the mailbox has closed: the engine is stopping
             inbox = None
         if inbox is not None:
             with inbox:

@@ -7,8 +7,15 @@ Questions go in as `Submit` messages (or any envelope with a `.question`, such a
 worker thread (engine.Engine), so the event loop never waits on a forward. Closing the inbox is
 the graceful stop: every question already taken is answered, then the outbox is closed.
 
+Cancels and control commands come in their own mailbox, `control`, read by a task of their own: a
+cancel reaches the engine at once even while the question inbox waits for a place (backpressure)
+or is full, and the engine applies it at its next step. Each question taken is prepared in its own
+task (kev_async/engine_handler.py), so one question's tokenizing or grammar compile holds up no other.
+
     questions, answers = Mailbox("engine.in", 64), Mailbox("engine.out", 64)
-    await tg.start(partial(engine_actor, questions.receive, answers.send, engine_factory=make_engine))
+    control = Mailbox("engine.control", 64)
+    await tg.start(partial(engine_actor, questions.receive, answers.send, control=control.receive,
+                           engine_factory=make_engine))
 
 This module is the actor's life (its device, start, drain, crash); what it does with each message
 is kev_async/engine_handler.py, the messages are kev_async/engine_messages.py. `EngineClient`
@@ -64,19 +71,23 @@ def _own_device(engine: Engine):
 
 
 async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSendStream, *,
-                       engine_factory: Callable[[], Engine], max_in_flight: int | None = None,
+                       engine_factory: Callable[[], Engine], control: MemoryObjectReceiveStream | None = None,
+                       max_in_flight: int | None = None,
                        wrap: Callable[[AnswerEvent | AnswerDelta, Any], Any] | None = None,
                        state: ControlState | None = None,
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-    """Own one Engine: take Submit / Cancel / Request(UpdateDefaults) / LoadAdapter / UnloadAdapter
-    messages (the last two plainly or as a Request), send answers out.
+    """Own one Engine: take questions from `inbox` and Cancel / Request(UpdateDefaults) / LoadAdapter /
+    UnloadAdapter messages (the last two plainly or as a Request) from `control`, send answers out.
+    Without `control` (or besides it) the inbox takes control messages too, applied in its order: behind
+    the questions before them, and not while it waits for a place.
 
     `wrap(event, source)` builds what goes into the outbox; without it the bare events go.
-    At most `max_in_flight` questions (default: two full batches) are taken and not yet answered;
-    past that, and while the outbox is full, the actor stops reading its inbox, so backpressure
-    reaches whoever feeds it. If the actor crashes (say the device thread fails), every question it
-    had taken gets an "engine_failed" error answer before the crash goes on to the supervisor, so
-    no asker waits forever and no source offset is held back.
+    At most `max_in_flight` questions (default: two full batches) are taken and not yet answered
+    (those still being prepared count); past that, and while the outbox is full, the actor stops
+    reading its inbox, so backpressure reaches whoever feeds it. If the actor crashes (say the device
+    thread fails), every question it had taken, prepared or not, gets an "engine_failed" error answer
+    before the crash goes on to the supervisor, so no asker waits forever and no source offset is
+    held back.
 
     `state` holds what control commands changed (adapters, defaults, command ids applied). Give the
     same ControlState to every start of the actor (one made next to its supervisor Child) and a
@@ -87,13 +98,17 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     with _own_device(engine) as device:
         handler = MessageHandler(engine, outbox, max_in_flight or 2 * engine.options.max_batch_size, wrap, state)
         try:
-            async with engine, anyio.create_task_group() as forwarders:
+            async with engine, anyio.create_task_group() as commands:
                 await state.reapply(engine)
                 log.info("engine_actor.ready", device=device, max_in_flight=handler.max_in_flight)
+                if control is not None:
+                    commands.start_soon(_read_control, control, handler)
                 task_status.started()
-                async for message in inbox:
-                    await handler.handle(message, forwarders)
-                inbox.close()  # it has ended; the task group now waits for every taken question's answer
+                async with anyio.create_task_group() as questions:
+                    async for message in inbox:
+                        await handler.take(message, questions)
+                    inbox.close()  # it has ended; the task group now waits for every taken question's answer
+                commands.cancel_scope.cancel()  # every question is answered: no cancel has anything left to end
         except Exception:
             await handler.answer_abandoned()
             raise
@@ -102,17 +117,26 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     log.info("engine_actor.stopped", device=device, kv_blocks_free=pool.num_free, kv_blocks_total=pool.num_blocks)
 
 
+async def _read_control(control: MemoryObjectReceiveStream, handler: MessageHandler) -> None:
+    """Until the actor stops (or every sender of `control` has closed its end). The stream stays open for
+    the actor's next start when the supervisor restarts it."""
+    async for message in control:
+        await handler.command(message)
+
+
 @asynccontextmanager
 async def open_engine_client(engine_factory: Callable[[], Engine], *, capacity: int = 64,
                              max_in_flight: int | None = None) -> AsyncIterator[EngineClient]:
     """An engine actor and its client, running until the block ends (then drained gracefully)."""
     questions, answers = Mailbox("engine.questions", capacity), Mailbox("engine.answers", capacity)
+    control = Mailbox("engine.control", capacity)
     # Closing is idempotent: this only tidies up ends left open when something failed.
-    with questions.send, questions.receive, answers.send, answers.receive:
+    with questions.send, questions.receive, control.send, control.receive, answers.send, answers.receive:
         async with anyio.create_task_group() as tg:
-            await tg.start(partial(engine_actor, questions.receive, answers.send,
+            await tg.start(partial(engine_actor, questions.receive, answers.send, control=control.receive,
                                    engine_factory=engine_factory, max_in_flight=max_in_flight))
-            client = EngineClient(questions.send, answers.receive, mailboxes=(questions, answers))
+            client = EngineClient(questions.send, answers.receive, control=control.send,
+                                  mailboxes=(questions, control, answers))
             await tg.start(client.run)
             try:
                 yield client

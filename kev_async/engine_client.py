@@ -1,5 +1,6 @@
 """Request/reply over the engine actor: `await client.ask(question, timeout)` submits a question and
-waits for its answer, routed back by question_id to the task that asked."""
+waits for its answer, routed back by question_id to the task that asked. Cancels and defaults go to
+the actor's control mailbox when the client has one, so they never wait behind questions."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ log = structlog.get_logger("kev.engine_actor")  # the actor's lines, whichever o
 
 
 class EngineClient:
-    """Request/reply over the engine actor. It sends into the actor's inbox and reads its outbox."""
+    """Request/reply over the engine actor. It sends questions into the actor's inbox, cancels and control
+    commands into its control mailbox (`control`; without one, the inbox), and reads its outbox."""
 
     def __init__(self, inbox: MemoryObjectSendStream, outbox: MemoryObjectReceiveStream, *,
-                 cancel_timeout: float = 1.0, mailboxes: tuple[Mailbox, ...] = ()) -> None:
+                 control: MemoryObjectSendStream | None = None, cancel_timeout: float = 1.0,
+                 mailboxes: tuple[Mailbox, ...] = ()) -> None:
         self._inbox, self._outbox = inbox, outbox
+        self._control = inbox if control is None else control
         self.mailboxes = mailboxes  # for the depth gauges
         self._waiting: dict[str, Reply[AnswerEvent]] = {}
         self.cancel_timeout = cancel_timeout
@@ -64,13 +68,13 @@ class EngineClient:
                 await self._cancel_shielded(question_id)
 
     async def cancel(self, question_id: str) -> None:
-        await self._inbox.send(Cancel(question_id))
+        await self._control.send(Cancel(question_id))
 
     async def update_defaults(self, timeout: float | None = None, **changes: Any) -> int:
-        return await ask(self._inbox, UpdateDefaults(changes), timeout)
+        return await ask(self._control, UpdateDefaults(changes), timeout)
 
     async def aclose(self) -> None:
-        """Stop asking: the actor answers what it has taken, then ends."""
+        """Stop asking: the actor answers what it has taken, then ends (a control mailbox still takes cancels)."""
         await self._inbox.aclose()
 
     async def _cancel_shielded(self, question_id: str) -> None:
