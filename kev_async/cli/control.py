@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from functools import partial
 
@@ -52,6 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     keygen.add_argument("--scopes", default="control",
                         help=f"comma-separated, of {','.join(ALL_TRUST_SCOPES)} (default control; a gateway's key: "
                              "questions,cancel)")
+    keygen.add_argument("--private-file", metavar="PATH",
+                        help="write the signer's entry to PATH (a kafka.trust.keys_file, mode 0600) instead of printing it")
+    keygen.add_argument("--public-file", metavar="PATH",
+                        help="write the workers' entry to PATH (a kafka.trust.keys_file) instead of printing it")
+    keygen.add_argument("--if-missing", action="store_true",
+                        help="with both files given: keep them and do nothing when both exist (a container's first start "
+                             "makes the pair, later starts keep it)")
     keygen.set_defaults(func=_keygen)
 
 
@@ -89,10 +97,29 @@ def _keygen(args: argparse.Namespace) -> int:
         print(f"kev control keygen: --scopes takes some of {', '.join(ALL_TRUST_SCOPES)} (got {args.scopes!r}); "
               "--id 1 to 64 characters", file=sys.stderr)
         return 2
+    files = (args.private_file, args.public_file)
+    if args.if_missing and all(files) and all(os.path.exists(path) for path in files):
+        print(f"kev control keygen: {args.private_file} and {args.public_file} exist; kept")
+        return 0
     private, public = new_ed25519_pair()
     shown = ", ".join(scopes)
-    print(f"# the signer's kafka.trust.keys entry (secret: a keys_file or KEV_KAFKA__TRUST__KEYS)\n"
-          f"{args.id}: {{private_key: \"{private}\", scopes: [{shown}]}}\n"
-          f"# every worker's entry (verifies, cannot sign)\n"
-          f"{args.id}: {{public_key: \"{public}\", scopes: [{shown}]}}")
+    signer = f"{args.id}: {{private_key: \"{private}\", scopes: [{shown}]}}\n"
+    worker = f"{args.id}: {{public_key: \"{public}\", scopes: [{shown}]}}\n"
+    if args.private_file:
+        _write_keys(args.private_file, signer, private=True)
+    else:
+        print("# the signer's kafka.trust.keys entry (secret: a keys_file or KEV_KAFKA__TRUST__KEYS)\n" + signer, end="")
+    if args.public_file:
+        _write_keys(args.public_file, worker, private=False)
+    else:
+        print("# every worker's entry (verifies, cannot sign)\n" + worker, end="")
     return 0
+
+
+def _write_keys(path: str, entry: str, *, private: bool) -> None:
+    """A keys_file holding one entry; the private one readable by its owner only, from its first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "w") as out:
+        out.write(entry)
+    whose = "the signer's" if private else "the workers'"
+    print(f"kev control keygen: wrote {whose} key to {path}")
