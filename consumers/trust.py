@@ -17,8 +17,10 @@ A signed question whose signing time (`kev-signed-at`, part of what is signed) i
 `stale_signature` whatever the mode: a signed record published again later gets no fresh deadline
 (replays within that age on the same partition are the ledger's duplicates).
 
-Every reply_topic, trusted or not, must also fullmatch `reply_topic_pattern`; one that does not is
-cleared and the answer goes to the answers topic. One log line per untrusted record: a warning for
+A signed question's reply_topic must fullmatch `reply_topic_pattern`; one that does not is refused
+with error answer `reply_topic_refused` (on the answers topic, no text): answered there in full, a
+tenant's answer would be readable by every principal of the shared topic. An untrusted question's
+reply_topic is cleared with its other server-side fields. One log line per untrusted record: a warning for
 a forged or out-of-scope signature (with the key id it named and the reason), info when fields were
 cleared, debug otherwise.
 
@@ -49,7 +51,7 @@ class Admitted:
     question: QuestionEvent
     verification: Verification
     refused: str | None = None  # the error message for the asker, when refused
-    code: str = "unsigned"  # the error answer's code, when refused: unsigned | stale_signature
+    code: str = "unsigned"  # the error answer's code, when refused: unsigned | stale_signature | reply_topic_refused
 
 
 class QuestionGate:
@@ -76,12 +78,16 @@ class QuestionGate:
                 f"this topic takes signed questions only (kafka.trust.unsigned_questions: refuse); "
                 f"the question was {verification.verdict}"
                 + (f" ({verification.reason})" if verification.verdict != "unsigned" else "")))
-        changes = {} if verification.trusted else self._untrusted_changes(question)
-        if question.reply_topic is not None and "reply_topic" not in changes \
+        if verification.trusted and question.reply_topic is not None \
                 and not self.reply_topic.fullmatch(question.reply_topic):
-            changes["reply_topic"] = None
-            bound.info("question.reply_topic_refused", question_id=question.question_id,
-                       reply_topic=question.reply_topic[:100], pattern=self.trust.reply_topic_pattern)
+            # Not cleared: its answer would then go to the shared answers topic, which other principals read.
+            bound.warning("question.reply_topic_refused", question_id=question.question_id,
+                          reply_topic=question.reply_topic[:100], pattern=self.trust.reply_topic_pattern)
+            return Admitted(question, verification, code="reply_topic_refused", refused=(
+                f"reply_topic {question.reply_topic[:100]!r} does not match kafka.trust.reply_topic_pattern "
+                f"({self.trust.reply_topic_pattern}): a signed question is answered on its own reply topic or not "
+                f"at all"))
+        changes = {} if verification.trusted else self._untrusted_changes(question)
         if not verification.trusted:
             self._log(bound, verification, question, cleared=sorted(changes))
         if changes:

@@ -182,7 +182,8 @@ class TrustConfig(_Section):
     # A signed question whose signing time is further than this from the worker's clock (older, or ahead) is
     # answered with error stale_signature: a replay, or a backlog older than anyone still waits for.
     max_age_ms: Annotated[int, Meta(ge=1_000, le=604_800_000)] = 600_000
-    # Every reply_topic, signed or not, must match this (Python regex, whole name); others answer on answers_topic.
+    # Every reply_topic must match this (Python regex, whole name): a signed question's that does not is refused
+    # (error answer reply_topic_refused, no text), an unsigned question's is cleared (answered on answers_topic).
     reply_topic_pattern: str = r"kev\.replies\.[A-Za-z0-9._-]{1,200}"
 
 
