@@ -262,11 +262,23 @@ class GatewayConfig(_Section):
     # Without API keys the gateway listens on the loopback only, unless this (or --allow-anonymous) says otherwise.
     allow_anonymous: bool = False
     audit_tenants: list[str] = []  # tenants whose responses carry the `x-kev-audit` header; never anonymous callers
-    # Requests one tenant may have in flight (all anonymous callers together count as one); more get 429.
+    # Requests one tenant may have in flight (all anonymous callers together count as one), across every
+    # process of `--processes N`; more get 429. A request holds its slot from its headers to its last byte.
     max_concurrent_per_tenant: Positive = 64
     request_timeout_ms: Positive | None = None  # deadline of a request's question; None = aggregator.timeout_ms
     publish_timeout_ms: Positive = 3000  # the broker must ack a question within this, else 503
+    # Limits on what a client may send before any work is done for it (docs/gateway.md#limits).
+    max_connections: Positive = 1024  # open connections per gateway process; more are answered 503 and closed
+    max_header_bytes: Positive = 16_384  # request line and headers together; more is 431 and the connection closed
+    max_headers: Positive = 64  # header lines per request; more is 431
+    header_read_timeout_ms: Positive = 30_000  # a request's headers must arrive within this, else 408
+    # The body is read only after the tenant's slot is taken, within this (else 408) and up to max_body_bytes
+    # (else 413); kafka.limits.max_event_bytes bounds what a question can carry anyway.
+    body_read_timeout_ms: Positive = 30_000
     max_body_bytes: Positive = 1_000_000
+    # Each write to a client must be taken within this; a client that stops reading is cut off, its
+    # question cancelled and its slot freed.
+    send_timeout_ms: Positive = 30_000
     max_prompt_chars: Positive = 200_000
 
 

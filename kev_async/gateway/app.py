@@ -3,11 +3,15 @@
     POST /v1/chat/completions   POST /v1/completions   (stream: true -> Server-Sent Events)
     GET  /v1/models             GET  /health           GET  /metrics
 
-Every question gets a fresh random id (the response's `id`) and this instance's reply topic; the
-request waits for its answer there. A client that goes away, a deadline that passes first, or a
-publish the broker did not ack in time cancels the question on the control topic, so the worker frees
-its KV blocks or never starts it. Whatever a client sends, a bad request is a 4xx in OpenAI's error
-shape; a 500 means a bug in the gateway.
+An answer request is served in the order that costs a hostile client the least: the API key and the
+tenant's slot from the headers alone (401, 429), then the body, within gateway.body_read_timeout_ms
+(408) and max_body_bytes (413), then parsing and any response_format compile (400), and only then the
+question. Every question gets a fresh random id (the response's `id`) and this instance's reply topic;
+the request waits for its answer there. A client that goes away (a hang-up, or a stop in reading that
+outlasts gateway.send_timeout_ms: connections.py drops it), a deadline that passes first, or a publish
+the broker did not ack in time cancels the question on the control topic, so the worker frees its KV
+blocks or never starts it; a client gone is logged at info as a 499. Whatever a client sends, a bad
+request is a 4xx in OpenAI's error shape; a 500 means a bug in the gateway.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import anyio
 import msgspec
 import structlog
 from starlette.applications import Starlette
@@ -23,33 +26,35 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kev_async.gateway.callers import new_question_id
+from kev_async.gateway.callers import Caller, new_question_id
+from kev_async.gateway.connections import BODY_LATE
 from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
-from kev_async.gateway.metrics import CONTENT_TYPE, ObserveRequests
-from kev_async.gateway.openai_requests import (
-    ChatRequest,
-    CompletionRequest,
-    check_response_format,
-    parse_request,
-    to_question,
-)
+from kev_async.gateway.metrics import CLIENT_GONE, CONTENT_TYPE, ObserveRequests, mark_client_gone
+from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
-from schemas import AnswerEvent, QuestionEvent
+from schemas import AnswerEvent, GatewayConfig, QuestionEvent
 
 log = structlog.get_logger("kev.gateway")
 
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
 _JSON = msgspec.json.Encoder()
+# A refusal sent before the body was read in full: the rest of the body is not read either.
+_CLOSE = {"connection": "close"}
+
+
+class ClientGone(Exception):
+    """The client left before its response: nothing can be sent, the question (if any) is cancelled."""
 
 
 def create_app(gateway: Gateway) -> ObserveRequests:
+    answers = {"/v1/chat/completions": AnswerEndpoint(gateway, ChatRequest),
+               "/v1/completions": AnswerEndpoint(gateway, CompletionRequest)}
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in answers.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -57,63 +62,78 @@ def create_app(gateway: Gateway) -> ObserveRequests:
     app = Starlette(routes=routes, exception_handlers=HANDLERS)
     app.state.gateway = gateway
     # Outermost, so every route is counted the same way, whichever of the two paths below serves it.
-    return ObserveRequests(AnswerRoutes(app, gateway), metrics=gateway.metrics,
+    return ObserveRequests(AnswerRoutes(app, answers), metrics=gateway.metrics,
                            routes=frozenset(r.path for r in routes))
 
 
 class AnswerRoutes:
-    """ASGI: the two answer routes' POSTs go straight to their handler; everything else (and a wrong
-    method on them) goes through Starlette. Same responses and errors either way."""
+    """ASGI: the two answer routes' POSTs go straight to their endpoint; everything else (and a wrong
+    method on them) goes through Starlette, whose route table holds the same endpoints."""
 
     # Why a bypass: at 64 concurrent requests the event loop's time per request, queued, is the latency the
     # gateway adds, and Starlette's layers (error and exception middleware, routing, the endpoint wrappers)
     # were a tenth of its CPU.
 
-    ROUTES = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}
-
-    def __init__(self, app: Starlette, gateway: Gateway) -> None:
-        self.app, self.gateway = app, gateway
+    def __init__(self, app: Starlette, answers: dict[str, "AnswerEndpoint"]) -> None:
+        self.app, self.answers = app, answers
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path")
-        kind = self.ROUTES.get(path) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if kind is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            response = await _answer(self.gateway, Request(scope, receive), kind)
+        endpoint = self.answers.get(scope.get("path")) if scope["type"] == "http" and scope["method"] == "POST" \
+            else None
+        await (endpoint or self.app)(scope, receive, send)
+
+
+class AnswerEndpoint:
+    """ASGI: POST /v1/chat/completions or /v1/completions, whole or streamed."""
+
+    def __init__(self, gateway: Gateway, kind: type[ChatRequest] | type[CompletionRequest]) -> None:
+        self.gateway, self.kind = gateway, kind
+
+    async def __call__(self, scope, receive, send) -> None:
+        started, arrived_ms = time.perf_counter(), time.time_ns() // 1_000_000
+        gateway, request = self.gateway, Request(scope, receive)
+        try:  # from the headers alone: nothing of the body is read for a caller without a key or a slot
+            caller = gateway.caller(request.headers.get("authorization"))
+            slot = gateway.slots.take(caller.tenant)
         except ApiError as error:
-            response = error.response()
-        except Exception:
-            log.exception("gateway.request_failed", path=path)
-            response = internal_error()
-        if not isinstance(response, AnswerStream):
-            await response(scope, receive, send)
+            error.headers = {**(error.headers or {}), **_CLOSE}
+            await _respond(error.response(), scope, receive, send)
             return
-        started = False
-
-        async def send_noting_start(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await response(scope, receive, send_noting_start)
-        except Exception:
-            if started:
-                raise  # mid-stream: the status line is gone, nothing else can be sent
-            log.exception("gateway.request_failed", path=path)
-            await internal_error()(scope, receive, send)
+        with slot:
+            try:
+                response = await _answer(gateway, request, self.kind, caller, started, arrived_ms)
+            except ClientGone as gone:
+                _client_gone(scope, str(gone))
+                return
+            except ApiError as error:
+                response = error.response()
+            except Exception:
+                log.exception("gateway.request_failed", path=scope.get("path"))
+                response = internal_error()
+            await _respond(response, scope, receive, send)
 
 
-# Starlette's routes for the two POSTs: AnswerRoutes serves them first; these keep the route table whole
-# (a GET there gets Starlette's 405, in OpenAI's error shape).
-async def chat_completions(request: Request) -> Response:
-    return await _answer(request.app.state.gateway, request, ChatRequest)
+async def _respond(response, scope, receive, send) -> None:
+    """Send a response; a crash before its first byte is a 500."""
+    started = False
+
+    async def send_noting_start(message) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await response(scope, receive, send_noting_start)
+    except Exception:
+        if started:
+            raise  # mid-stream: the status line is gone, nothing else can be sent
+        log.exception("gateway.request_failed", path=scope.get("path"))
+        await internal_error()(scope, receive, send)
 
 
-async def completions(request: Request) -> Response:
-    return await _answer(request.app.state.gateway, request, CompletionRequest)
+def _client_gone(scope, why: str) -> None:
+    mark_client_gone(scope)
+    log.info("gateway.client_gone", status=CLIENT_GONE, path=scope.get("path"), why=why)
 
 
 async def models(request: Request) -> Response:
@@ -133,10 +153,9 @@ async def metrics(request: Request) -> Response:
     return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest]) -> Response:
-    started, arrived_ms = time.perf_counter(), time.time_ns() // 1_000_000
-    caller = gateway.caller(request.headers.get("authorization"))
-    body = await _read_body(request, gateway.cfg.gateway.max_body_bytes)
+async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest],
+                  caller: Caller, started: float, arrived_ms: int) -> Response:
+    body = await _read_body(request, gateway.cfg.gateway)
     parsed = parse_request(body, kind)
     adapter = gateway.catalog.resolve(parsed.model)
     chat = kind is ChatRequest
@@ -146,13 +165,12 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
                            reply_topic=gateway.replies.topic, timeout_ms=timeout_ms, adapter=adapter,
                            max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
     if question.params.response_format is not None:
-        await anyio.to_thread.run_sync(check_response_format, question)
+        await gateway.check_response_format(question)
     wait_s = timeout_ms / 1000 + REPLY_GRACE_S
     if parsed.stream:
         return AnswerStream(gateway, question, parsed, caller=caller, chat=chat, wait_s=wait_s, started=started,
                             arrived_ms=arrived_ms)
-    with gateway.slots.take(caller.tenant):
-        answer = await _ask(request, gateway, question, wait_s, arrived_ms)
+    answer = await _ask(request, gateway, question, wait_s, arrived_ms)
     raise_for_error(answer)
     shape = chat_completion if chat else text_completion
     body = shape(answer, id_=question_id, model=parsed.model, created=int(time.time()),
@@ -162,44 +180,61 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
 
 async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float, arrived_ms: int):
     """Publish, then wait for the answer, the deadline, or the client leaving (the last two cancel it)."""
-    answer = None
+    answer, hung_up = None, False
     with gateway.replies.expect(question.question_id) as pending, gateway.metrics.waiting():
         await gateway.publish(question, arrived_ms)
         try:
-            answer = await _answer_or_hangup(pending, request.receive, wait_s)
+            answer, hung_up = await _answer_or_hangup(pending, request.receive, wait_s)
         finally:
             if answer is None:
                 await gateway.cancel(question.question_id)
+    if hung_up:
+        raise ClientGone(f"hung up waiting for the answer; {question.question_id} cancelled")
     if answer is None:
         raise ApiError(504, f"No answer within {wait_s:g} s; the question was cancelled.", code="timeout")
     return answer
 
 
-async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> AnswerEvent | None:
-    """The answer, or None if the client hangs up or `wait_s` passes first."""
+async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> tuple[AnswerEvent | None, bool]:
+    """(the answer, False); (None, True) if the client hangs up first; (None, False) once `wait_s` passed."""
     # Plain asyncio rather than an anyio task group with a watcher task and a cancel scope: ~40 instead of
     # ~190 µs of the event loop per request, and at 64 concurrent requests the loop's time per request,
     # queued, is the latency the gateway adds.
     hangup = asyncio.ensure_future(watch_disconnect(receive, None))
     try:
         await asyncio.wait((pending.answered, hangup), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        hung_up = hangup.done()
     finally:
         hangup.cancel()
-    return pending.answer
+    return pending.answer, pending.answer is None and hung_up
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
+async def _read_body(request: Request, cfg: GatewayConfig) -> bytes:
+    """The whole body, up to max_body_bytes (413) and within body_read_timeout_ms of the headers (408, from
+    connections.py); both close the connection, so the rest is never read. ClientGone if the client hangs up."""
+    limit = cfg.max_body_bytes
+    too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large",
+                         headers=_CLOSE)
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        # receive() rather than request.stream(): the protocol wakes it when the deadline passes, with no
+        # timer of the app's own (a timer per request is event-loop time, and the loop is the latency).
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone(f"hung up after {size} bytes of its body")
+        if request.scope.get(BODY_LATE):
+            raise ApiError(408, f"The request body did not arrive within {cfg.body_read_timeout_ms / 1000:g} s.",
+                           code="body_timeout", headers=_CLOSE)
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _json(body: dict, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:

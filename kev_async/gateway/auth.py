@@ -16,7 +16,6 @@ from kev_async.gateway.errors import ApiError
 from schemas import GatewayConfig
 
 
-
 class Authenticator:
     def __init__(self, keys: dict[str, str]) -> None:
         self._digests = [(_digest(key), tenant) for key, tenant in keys.items()]
@@ -28,6 +27,10 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
+
+    @property
+    def tenants(self) -> set[str]:
+        return {tenant for _, tenant in self._digests}
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer KEY` header; None when keys are off; else 401."""

@@ -4,7 +4,8 @@ A caller with an API key is its key's tenant: its questions share the tenant's p
 `cached_tokens` tells it about its own tenant's traffic only. An anonymous caller gets a fresh random
 cache_salt on every request, so no two anonymous requests share a prefix block and none can learn what
 another sent; it is told `cached_tokens: 0`. Kev's audit (worker, blocks, batch sizes) goes only to
-tenants listed in gateway.audit_tenants.
+tenants listed in gateway.audit_tenants. A request takes its tenant's slot from its headers alone, before
+its body is read or anything compiled, and holds it to its response's last byte.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 
 from kev_async.gateway.errors import ApiError
+from kev_async.gateway.slot_table import SlotTable
 from schemas import GatewayConfig
 
 RETRY_AFTER_S = 1  # a slot frees as soon as any answer in flight comes back
@@ -42,23 +44,35 @@ def new_question_id(prefix: str) -> str:
 
 
 class TenantSlots:
-    """At most `limit` requests in flight per tenant; the next one gets a 429 with Retry-After."""
+    """At most `limit` requests in flight per tenant; the next one gets a 429 with Retry-After. Counted in this
+    process, or in a SlotTable every process of `--processes N` shares."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, table: SlotTable | None = None) -> None:
         self.limit = limit
+        self._table = table
         self._held: dict[str | None, int] = {}  # None: every anonymous caller, together
 
     def take(self, tenant: str | None) -> "_Slot":
-        held = self._held.get(tenant, 0)
-        if held >= self.limit:
+        if not self._admit(tenant):
             who = "anonymous callers" if tenant is None else "your API key's tenant"
             raise ApiError(429, f"Too many requests in flight for {who} (at most {self.limit}); "
                                 f"retry after {RETRY_AFTER_S} s.",
                            code="rate_limit_exceeded", headers={"retry-after": str(RETRY_AFTER_S)})
-        self._held[tenant] = held + 1
         return _Slot(self, tenant)
 
+    def _admit(self, tenant: str | None) -> bool:
+        if self._table is not None:
+            return self._table.take(tenant, self.limit)
+        held = self._held.get(tenant, 0)
+        if held >= self.limit:
+            return False
+        self._held[tenant] = held + 1
+        return True
+
     def _release(self, key: str | None) -> None:
+        if self._table is not None:
+            self._table.release(key)
+            return
         left = self._held[key] - 1
         if left:
             self._held[key] = left

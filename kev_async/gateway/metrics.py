@@ -13,6 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection before its response was sent
+_GONE = "kev.client_gone"  # a scope key: the app saw the client leave before its response started
 _PROCESS = re.compile(r'^kev_gateway_process_info\{process="([0-9a-f]+)"\}', re.M)
 
 
@@ -38,6 +40,9 @@ class GatewayMetrics:
                                "Cancels sent to the workers (client gone or deadline passed).", registry=r)
         self.publish_failures = Counter("kev_gateway_publish_failures_total",
                                         "Questions the broker did not ack in time (answered 503).", registry=r)
+        self.refused = Counter("kev_gateway_refused_total",
+                               "Connections refused before the app: too many, headers too large, headers too slow.",
+                               ["reason"], registry=r)
         # A random name per process, not its pid: enough to tell `--processes N` apart, nothing to aim at.
         Info("kev_gateway_process", "This gateway process.", registry=r).info({"process": secrets.token_hex(6)})
         self._counts: dict[tuple[str, int], Counter] = {}
@@ -62,13 +67,22 @@ class GatewayMetrics:
         count.inc()
         latency.observe(time.perf_counter() - started)
 
+    def refuse(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+def mark_client_gone(scope) -> None:
+    """The client left before its response started: counted as CLIENT_GONE (499), not the 500 of no response."""
+    scope[_GONE] = True
+
+
 class ObserveRequests:
     """ASGI middleware: count every HTTP response by route and status and time it to its last byte
-    (for a stream, that is when `data: [DONE]` went out)."""
+    (for a stream, that is when `data: [DONE]` went out). A request whose client left before any response
+    counts as 499; one that got no response otherwise, as 500."""
 
     def __init__(self, app, metrics: GatewayMetrics, routes: frozenset[str]) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
@@ -77,7 +91,7 @@ class ObserveRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), 500
+        started, status = time.perf_counter(), None
         route = scope.get("path", "") if scope.get("path", "") in self.routes else "other"
 
         async def observed_send(message) -> None:
@@ -89,4 +103,6 @@ class ObserveRequests:
         try:
             await self.app(scope, receive, observed_send)
         finally:
+            if status is None:  # no response at all
+                status = CLIENT_GONE if scope.get(_GONE) else 500
             self.metrics.observe(route, status, started)

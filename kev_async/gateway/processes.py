@@ -10,7 +10,9 @@ processes split that queue; each is a whole gateway, with its own producer, repl
 The parent opens one listening socket per child on the port (SO_REUSEPORT on Linux, where the kernel
 spreads new connections over them by address hash; elsewhere one shared socket) and starts the
 children (`python -m kev_async.gateway.processes`), each with its socket inherited and the resolved
-config on its stdin; the parent accepts nothing. A keep-alive connection stays with its child, so
+config on its stdin (the API keys file read once, by the parent, so every child knows the same keys);
+the parent accepts nothing. The children share one SlotTable (slot_table.py), inherited like the
+sockets, so a tenant's gateway.max_concurrent_per_tenant holds for all of them together. A keep-alive connection stays with its child, so
 /metrics and /health describe the child that holds the connection (/health names its pid).
 
 Stopping: the parent's first SIGINT/SIGTERM becomes one SIGTERM per child, and each drains as a lone
@@ -37,13 +39,16 @@ import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
+from kev_async.gateway.auth import Authenticator, read_keys_file
 from kev_async.gateway.server import listen, run_gateway, run_until_stopped, socket_url
+from kev_async.gateway.slot_table import SlotTable
 from kev_async.logs import configure_logging
 from schemas import KevConfig
 
 log = structlog.get_logger("kev.gateway.processes")
 
 LISTEN_FD_ENV = "KEV_GATEWAY_LISTEN_FD"
+SLOTS_FD_ENV = "KEV_GATEWAY_SLOTS_FD"
 START_TIMEOUT_S = 60.0  # a child imports, connects to the brokers and makes its reply topic in a few seconds
 CHILD_DRAIN_S = 10.0  # a child's own drain deadline, as `kev gateway`'s
 # A child's whole stop: its drain, then the producer's flush and the reply topic's deletion (3 s).
@@ -73,6 +78,8 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
                                 task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve with cfg.gateway.processes children until `shutdown.requested`; ChildExited if one stops early
     or fails its drain."""
+    cfg = with_keys_read(cfg)
+    table = SlotTable.create(Authenticator.from_config(cfg.gateway).tenants)
     sockets = listen_sockets(cfg.gateway.host, cfg.gateway.port, cfg.gateway.processes)
     url = socket_url(sockets[0])
     exits: list[str] = []
@@ -82,7 +89,7 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
             for index, sock in enumerate(sockets):
                 if shutdown.requested.is_set():
                     break
-                children.append(await tg.start(_supervise, cfg, sock, index, shutdown, exits))
+                children.append(await tg.start(_supervise, cfg, sock, table, index, shutdown, exits))
                 sock.close()  # the child holds it; a parent's copy would only outlive a dead child
             if children:
                 log.info("gateway.ready", url=url, processes=len(children), pids=[c.pid for c in children],
@@ -91,8 +98,17 @@ async def run_gateway_processes(cfg: KevConfig, shutdown: Any, *,
     finally:
         for sock in sockets:
             sock.close()
+        table.close()
     if exits:
         raise ChildExited("; ".join(exits))
+
+
+def with_keys_read(cfg: KevConfig) -> KevConfig:
+    """`cfg` with gateway.api_keys_file read into gateway.api_keys: the children must not each read a file
+    that may change in between, or their tenants (and so their SlotTable) would differ."""
+    keys = {**read_keys_file(cfg.gateway.api_keys_file), **cfg.gateway.api_keys}
+    gateway = msgspec.structs.replace(cfg.gateway, api_keys=keys, api_keys_file=None)
+    return msgspec.structs.replace(cfg, gateway=gateway)
 
 
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -111,13 +127,13 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
         raise
 
 
-async def _supervise(cfg: KevConfig, sock: socket.socket, index: int, shutdown: Any, exits: list[str], *,
-                     task_status: TaskStatus) -> None:
+async def _supervise(cfg: KevConfig, sock: socket.socket, table: SlotTable, index: int, shutdown: Any,
+                     exits: list[str], *, task_status: TaskStatus) -> None:
     """Start child `index`, report it ready, then SIGTERM it (once) at shutdown; an early exit stops all."""
+    env = {**os.environ, LISTEN_FD_ENV: str(sock.fileno()), SLOTS_FD_ENV: str(table.fileno())}
     process = await anyio.open_process(
         [sys.executable, "-m", "kev_async.gateway.processes"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=None, pass_fds=(sock.fileno(),), env={**os.environ, LISTEN_FD_ENV: str(sock.fileno())},
-        start_new_session=True)
+        stderr=None, pass_fds=(sock.fileno(), table.fileno()), env=env, start_new_session=True)
     terminated = False
 
     def terminate() -> None:
@@ -177,15 +193,17 @@ def main() -> int:
     """A child: the config from stdin, the socket from the inherited descriptor, then one gateway."""
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=KevConfig)
     sock = socket.socket(fileno=int(os.environ.pop(LISTEN_FD_ENV)))
+    table = SlotTable(int(os.environ.pop(SLOTS_FD_ENV)), Authenticator.from_config(cfg.gateway).tenants)
     configure_logging(cfg.logging.level, cfg.logging.json)
-    return run_until_stopped(partial(_serve_child, cfg, sock), CHILD_DRAIN_S, f"kev gateway process {os.getpid()}")
+    return run_until_stopped(partial(_serve_child, cfg, sock, table), CHILD_DRAIN_S,
+                             f"kev gateway process {os.getpid()}")
 
 
-async def _serve_child(cfg: KevConfig, sock: socket.socket, shutdown: Any, *,
+async def _serve_child(cfg: KevConfig, sock: socket.socket, table: SlotTable, shutdown: Any, *,
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_when_orphaned, shutdown)
-        running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock))
+        running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock, slot_table=table))
         ready = GatewayChild(os.getpid(), running.reply_topic, running.model)
         sys.stdout.buffer.write(msgspec.json.encode(ready) + b"\n")
         sys.stdout.flush()

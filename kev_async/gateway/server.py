@@ -1,5 +1,6 @@
 """Start the gateway: the Kafka producer, this instance's reply topic and its reader, the model catalog,
-then uvicorn (httptools parser) serving the app on asyncio (aiokafka is asyncio-only) — and stop it in reverse.
+then uvicorn (httptools parser, with the connection limits of connections.py) serving the app on asyncio
+(aiokafka is asyncio-only) — and stop it in reverse.
 
     running = await tg.start(partial(run_gateway, cfg, shutdown))    # shutdown.requested: an anyio.Event
     print(running.url)                                                # http://127.0.0.1:8000
@@ -28,11 +29,14 @@ from consumers import EMBEDDED
 from consumers.clients import open_admin, open_producer
 from kev_async.gateway.app import create_app
 from kev_async.gateway.auth import Authenticator
+from kev_async.gateway.callers import TenantSlots
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
+from kev_async.gateway.connections import ConnectionLimits, limited_protocol
 from kev_async.gateway.exposure import check_exposure
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.publisher import QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
+from kev_async.gateway.slot_table import SlotTable
 from kev_async.gateway.state import Gateway
 from kev_async.runtime.embedded_uvicorn import EmbeddedUvicorn
 from kev_async.runtime.lifecycle import run_service
@@ -56,11 +60,13 @@ def reply_topic_name(instance: str | None = None) -> str:
 
 
 async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | None = None,
+                      slot_table: SlotTable | None = None,
                       task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve until `shutdown.requested` is set (a kev_async Shutdown, or anything with that Event).
 
     `sock`: a listening socket to accept on (one of `kev gateway --processes N`); else it listens on
-    gateway.host and gateway.port itself."""
+    gateway.host and gateway.port itself. `slot_table`: the tenants' slots shared by all those processes;
+    else this process counts its own."""
     kafka = cfg.kafka
     if kafka.bootstrap_servers == EMBEDDED:
         raise ValueError("the gateway needs a running broker: set kafka.bootstrap_servers (or --bootstrap-servers) "
@@ -73,7 +79,9 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
         async with open_producer(kafka, **QuestionPublisher.producer_options(timeout_ms)) as producer, \
                 anyio.create_task_group() as tg:
             publisher = QuestionPublisher(kafka, timeout_ms, producer, signer)
-            gateway = Gateway(cfg, publisher, replies, ModelCatalog(served_model_name(cfg)), auth, GatewayMetrics())
+            slots = TenantSlots(cfg.gateway.max_concurrent_per_tenant, slot_table)
+            gateway = Gateway(cfg, publisher, replies, ModelCatalog(served_model_name(cfg)), auth, GatewayMetrics(),
+                              slots)
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
@@ -82,7 +90,8 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
                      auth="api_keys" if auth.enabled else "anonymous", sign_key=signer.key_id,
                      bootstrap_servers=kafka.bootstrap_servers)
             http_stopped = anyio.Event()
-            tg.start_soon(_serve_http, create_app(gateway), sock, shutdown, http_stopped)
+            limits = ConnectionLimits.of(cfg.gateway, gateway.metrics.refuse)
+            tg.start_soon(_serve_http, create_app(gateway), sock, limits, shutdown, http_stopped)
             task_status.started(GatewayRunning(url, replies.topic, gateway.catalog.model))
             # uvicorn returns once shutdown is requested and its requests finished (or their grace ran out).
             await http_stopped.wait()
@@ -111,12 +120,15 @@ def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-async def _serve_http(app, sock: socket.socket, shutdown: Any, stopped: anyio.Event) -> None:
+async def _serve_http(app, sock: socket.socket, limits: ConnectionLimits, shutdown: Any,
+                      stopped: anyio.Event) -> None:
     """Serve `app` on `sock` with uvicorn until shutdown is requested, then set `stopped`."""
     # The httptools parser: per request it spends about half the CPU of hypercorn/h11, and at 64 concurrent
-    # requests that CPU, serial in one event loop, is most of the latency the gateway adds.
-    config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_config=None,
-                            log_level="warning", timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S, backlog=BACKLOG,
+    # requests that CPU, serial in one event loop, is most of the latency the gateway adds. Its protocol,
+    # with the limits that apply before the app (connections.py); no WebSocket upgrades: nothing serves them.
+    config = uvicorn.Config(app, http=limited_protocol(limits), ws="none", lifespan="off", access_log=False,
+                            log_config=None, log_level="warning", timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
+                            backlog=BACKLOG,
                             proxy_headers=False)  # X-Forwarded-For is never read: the client's address is unused
     server = EmbeddedUvicorn(config)
 

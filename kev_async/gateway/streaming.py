@@ -4,7 +4,10 @@ its deltas as they arrive, and `data: [DONE]` after the answer.
 Written as a plain ASGI callable rather than starlette's StreamingResponse so that everything a
 stream owns (its place in the reply router, its disconnect watcher, the cancel when it ends early)
 lives and dies inside one `__call__`: a client that hangs up cancels the stream's task group, and
-the `finally` sends the question's cancel, shielded, so the worker frees its KV blocks.
+the `finally` sends the question's cancel, shielded, so the worker frees its KV blocks. A client
+that stops reading is one that hangs up too: its connection is dropped once its writes have waited
+gateway.send_timeout_ms (connections.py). The tenant's slot is the caller's (app.py), held around the
+whole call.
 """
 
 from __future__ import annotations
@@ -12,16 +15,21 @@ from __future__ import annotations
 import time
 
 import anyio
+import structlog
 from anyio import CancelScope
 from starlette.types import Receive, Scope, Send
 
 from kev_async.gateway.callers import Caller
+from kev_async.gateway.connections import STALLED
 from kev_async.gateway.errors import ApiError
+from kev_async.gateway.metrics import CLIENT_GONE
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wants_usage_in_stream
 from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, audit_json, raise_for_error, sse
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
+
+log = structlog.get_logger("kev.gateway.streaming")
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -47,26 +55,30 @@ class AnswerStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, question_id = self.gateway, self.question.question_id
-        try:  # nothing sent yet: a plain HTTP error (429, 503) is still possible
-            slot = gateway.slots.take(self.caller.tenant)
-        except ApiError as error:
-            await error.response()(scope, receive, send)
-            return
-        with slot, gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
+        with gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
             try:
                 await gateway.publish(self.question, self.arrived_ms)
             except ApiError as error:
                 await error.response()(scope, receive, send)
                 return
-            answered = False
+            answered, left = False, False
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(watch_disconnect, receive, tg.cancel_scope)
+                    async def hung_up() -> None:
+                        nonlocal left
+                        await watch_disconnect(receive, tg.cancel_scope)
+                        left = True
+
+                    tg.start_soon(hung_up)
                     answered = await self._relay(pending, send)
                     tg.cancel_scope.cancel()
             finally:
                 if not answered:
                     await gateway.cancel(question_id)
+            if left:
+                why = "stopped reading" if scope.get(STALLED) else "hung up mid-stream"
+                log.info("gateway.client_gone", status=CLIENT_GONE, path=scope.get("path"), question_id=question_id,
+                         why=why, cancelled=not answered)
 
     async def _relay(self, pending: Pending, send: Send) -> bool:
         """Send the stream; True once the answer arrived (a deadline passing first is reported in-stream)."""
