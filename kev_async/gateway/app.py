@@ -1,6 +1,7 @@
 """The routes: an OpenAI request becomes a QuestionEvent on Kafka; its answer becomes the response.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: true -> Server-Sent Events)
+    GET  /v1/chat/completions/{id}   GET /v1/completions/{id}   (a restarted stream's whole answer)
     GET  /v1/models             GET  /health           GET  /metrics
 
 An answer request is served in the order that costs a hostile client the least: the API key and the
@@ -55,6 +56,8 @@ def create_app(gateway: Gateway) -> ObserveRequests:
                "/v1/completions": AnswerEndpoint(gateway, CompletionRequest)}
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in answers.items()),
+        Route("/v1/chat/completions/{answer_id}", kept_answer, methods=["GET"]),
+        Route("/v1/completions/{answer_id}", kept_answer, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -134,6 +137,21 @@ async def _respond(response, scope, receive, send) -> None:
 def _client_gone(scope, why: str) -> None:
     mark_client_gone(scope)
     log.info("gateway.client_gone", status=CLIENT_GONE, path=scope.get("path"), why=why)
+
+
+async def kept_answer(request: Request) -> Response:
+    """The whole answer of a stream that ended `stream_restarted`, for the tenant that asked (kept_answers.py)."""
+    gateway: Gateway = request.app.state.gateway
+    caller = gateway.caller(request.headers.get("authorization"))
+    answer_id = request.path_params["answer_id"]
+    chat = request.url.path.startswith("/v1/chat/")
+    kept = gateway.kept.get(answer_id, caller.tenant)
+    if kept is None or kept.chat != chat:
+        raise ApiError(404, f"No kept answer {answer_id[:80]!r}: only the answers of restarted streams are kept, "
+                            f"for a few minutes, for the API key's tenant.", code="not_found")
+    shape = chat_completion if chat else text_completion
+    return _json(shape(kept.answer, id_=answer_id, model=kept.model, created=kept.created,
+                       show_cached=not caller.anonymous), headers=kev_headers(kept.answer, audit=caller.audit))
 
 
 async def models(request: Request) -> Response:

@@ -5,7 +5,10 @@ Workers send a question's deltas and its answer to the question's `reply_topic`,
 so they share a partition and arrive in order: deltas first, the answer last. The topic is made for
 this instance at start (`kev.replies.<instance id>`) and read from its first record, so nothing sent
 before the consumer caught up is missed. An event for a question nobody waits for (its client left)
-is dropped. A duplicate delta (a question redelivered to a second worker) is dropped by its seq.
+is dropped. A question redelivered to a second worker (its first died mid-answer) streams again under
+the new worker's attempt id, from seq 0: a stream relays the deltas of the first attempt it sees, in
+seq order, and drops every other attempt's. Whether the final answer extends what was relayed is the
+stream's to check (streaming.py): two attempts' texts are never spliced.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ FETCH_MAX_WAIT_MS = 20
 
 class Pending:
     """One question's replies as they arrive. Every request waits on `answered`; a streamed one also reads
-    `events()`: deltas (in seq order, duplicates dropped), then the answer."""
+    `events()`: one attempt's deltas (in seq order, duplicates dropped), then the first answer."""
 
     def __init__(self, question_id: str, *, streamed: bool = False) -> None:
         self.question_id = question_id
         self.answer: AnswerEvent | None = None
         self.answered: asyncio.Future[AnswerEvent] = asyncio.get_running_loop().create_future()
         self._next_seq = 0
+        self._attempt: str | None = None  # the attempt whose deltas are relayed: the first seen at seq 0
         # Only a stream needs a buffer of events: a whole answer waits on the future alone, which is cheaper.
         self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta] | None = None
         self._receive: MemoryObjectReceiveStream[AnswerEvent | AnswerDelta] | None = None
@@ -51,7 +55,9 @@ class Pending:
         if self.answer is not None:
             return  # a redelivered question's second answer
         if isinstance(event, AnswerDelta):
-            if event.seq != self._next_seq:
+            if self._attempt is None and event.seq == 0:
+                self._attempt = event.attempt
+            if event.attempt != self._attempt or event.seq != self._next_seq:
                 return
             self._next_seq += 1
         else:

@@ -1,6 +1,6 @@
 """`Gateway`: what the routes and the streamed responses share (config, publisher, reply router, catalog,
-auth, metrics, per-tenant slots), the deadline a request's question gets, and the one thread that
-compiles response_format grammars."""
+auth, metrics, per-tenant slots, the answers of restarted streams), the deadline a request's question
+gets, and the one thread that compiles response_format grammars."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kev_async.gateway.auth import Authenticator
 from kev_async.gateway.callers import Caller, TenantSlots, caller_of
 from kev_async.gateway.catalog import ModelCatalog
 from kev_async.gateway.errors import bad_request
+from kev_async.gateway.kept_answers import KeptAnswers
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.openai_requests import check_response_format
 from kev_async.gateway.publisher import BrokerUnavailable, QuestionPublisher
@@ -38,6 +39,7 @@ class Gateway:
     auth: Authenticator
     metrics: GatewayMetrics
     slots: TenantSlots = field(default=None)  # type: ignore[assignment]  # None: from cfg
+    kept: KeptAnswers = field(default_factory=KeptAnswers)
     # made on first use: it needs the running event loop
     _compiles: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
 

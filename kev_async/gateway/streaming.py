@@ -8,6 +8,11 @@ the `finally` sends the question's cancel, shielded, so the worker frees its KV 
 that stops reading is one that hangs up too: its connection is dropped once its writes have waited
 gateway.send_timeout_ms (connections.py). The tenant's slot is the caller's (app.py), held around the
 whole call.
+
+A stream never splices two answers. It relays one worker attempt's deltas (replies.py); if the question
+was redelivered and the final answer does not begin with the text already sent, the stream ends with
+an OpenAI error event, code `stream_restarted`, and the whole answer is kept for
+`GET /v1/chat/completions/{id}` (kept_answers.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from kev_async.gateway.callers import Caller
 from kev_async.gateway.connections import STALLED
 from kev_async.gateway.errors import ApiError
+from kev_async.gateway.kept_answers import KEEP_S
 from kev_async.gateway.metrics import CLIENT_GONE
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wants_usage_in_stream
 from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, audit_json, raise_for_error, sse
@@ -49,7 +55,7 @@ class AnswerStream:
     def __init__(self, gateway: Gateway, question: QuestionEvent, request: ChatRequest | CompletionRequest, *,
                  caller: Caller, chat: bool, wait_s: float, started: float, arrived_ms: int) -> None:
         self.gateway, self.question, self.wait_s, self.started = gateway, question, wait_s, started
-        self.caller, self.arrived_ms = caller, arrived_ms
+        self.caller, self.arrived_ms, self.chat, self.model = caller, arrived_ms, chat, request.model
         self.include_usage = wants_usage_in_stream(request)
         self.chunks = ChunkMaker(chat=chat, id_=question.question_id, model=request.model, created=int(time.time()))
 
@@ -86,29 +92,32 @@ class AnswerStream:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if (first := self.chunks.first()) is not None:
             await self._send(send, sse(first))
-        sent_text = 0
+        sent: list[str] = []
         with anyio.move_on_after(self.wait_s):
             async for event in pending.events():
                 if isinstance(event, AnswerDelta):
                     if event.text:
-                        if not sent_text:
+                        if not sent:
                             self.gateway.metrics.first_byte.observe(time.perf_counter() - self.started)
-                        sent_text += len(event.text)
+                        sent.append(event.text)
                         await self._send(send, sse(self.chunks.text(event.text)))
                     continue
-                await self._finish(send, event, sent_text)
+                await self._finish(send, event, "".join(sent))
                 return True
         timeout = ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
         await self._send(send, sse(timeout.body()) + SSE_DONE, more=False)
         return False
 
-    async def _finish(self, send: Send, answer: AnswerEvent, sent_text: int) -> None:
+    async def _finish(self, send: Send, answer: AnswerEvent, sent: str) -> None:
         try:
             raise_for_error(answer)
         except ApiError as error:  # mid-stream, OpenAI sends the error object as an event
             await self._send(send, sse(error.body()) + SSE_DONE, more=False)
             return
-        tail = answer.text[sent_text:]  # normally empty: the last delta carries the tail
+        if not answer.text.startswith(sent):
+            await self._send(send, sse(self._restarted(answer, sent).body()) + SSE_DONE, more=False)
+            return
+        tail = answer.text[len(sent):]  # normally empty: the last delta carries the tail
         out = sse(self.chunks.text(tail)) if tail else b""
         out += sse(self.chunks.last(answer))
         if self.include_usage:
@@ -117,6 +126,20 @@ class AnswerStream:
             # An SSE comment: clients skip it, so Kev's audit rides along without touching the chunk schema.
             out += b": x-kev-audit " + audit_json(answer).encode() + b"\n\n"
         await self._send(send, out + SSE_DONE, more=False)
+
+    def _restarted(self, answer: AnswerEvent, sent: str) -> ApiError:
+        """The answer came from a second attempt that does not extend what was sent: keep it, and say where."""
+        question_id = self.question.question_id
+        kept = self.gateway.kept.keep(question_id, answer, tenant=self.caller.tenant, model=self.model,
+                                      created=self.chunks.head["created"], chat=self.chat)
+        log.warning("gateway.stream_restarted", question_id=question_id, sent_chars=len(sent),
+                    attempt=answer.audit.attempt, kept=kept)
+        route = "chat/completions" if self.chat else "completions"
+        where = (f"the whole answer is at GET /v1/{route}/{question_id} for {KEEP_S:g} s" if kept
+                 else "the whole answer was too large to keep")
+        return ApiError(502, f"The answer was restarted on another worker after part of it was sent, and the "
+                             f"new answer differs from the text already streamed, which is void; {where}.",
+                        type_="server_error", code="stream_restarted")
 
     async def _send(self, send: Send, body: bytes, *, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": more})
