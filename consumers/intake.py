@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import anyio
 import structlog
 from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 from anyio.streams.memory import MemoryObjectSendStream
 
 from consumers.backpressure import Watermarks
@@ -38,6 +38,7 @@ from consumers.committer import RevocationListener
 from consumers.ledger import Admission, QuestionLedger, digest
 from consumers.messages import Inbound, Position, QuestionKey
 from consumers.offsets import OffsetTracker
+from consumers.publish_clock import PublishClock
 from consumers.publisher import Publisher
 from consumers.record_guard import printable_headers, unreadable
 from consumers.trust import QuestionGate
@@ -81,6 +82,7 @@ class Intake:
         poll_timeout_ms: int = 100,
         trust: TrustConfig = TrustConfig(),
         limits: LimitsConfig = LimitsConfig(),
+        clock: PublishClock | None = None,
     ) -> None:
         self.consumer = consumer
         self.listener = listener
@@ -95,6 +97,7 @@ class Intake:
         self.gate = QuestionGate(trust)
         self.reply_topic_pattern = re.compile(trust.reply_topic_pattern)
         self.limits = limits
+        self.clock = clock or PublishClock(None, head_records=max_records)
         self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
         self.fetched_at = 0.0  # time.time() when the batch being handled came back from the broker
 
@@ -156,11 +159,17 @@ class Intake:
                                       admitted.refused, value_digest, position, bound)
             elif await self._admit(asker, question.question_id, question.request_id, value_digest, position, bound):
                 self.counts["questions"] += 1
+                published_ms = self.clock.published_ms(record.timestamp, question.timeout_ms, self._lag(record))
                 inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
-                                  published_ms=record.timestamp, principal=asker.principal)
+                                  published_ms=published_ms, principal=asker.principal)
                 # Stage stamps for `kev bench kafka --profile` (debug: free at the default level).
                 bound.debug("question_taken", question_id=question.question_id, fetched_at=self.fetched_at)
                 await self.questions_out.send(inbound)
+
+    def _lag(self, record: ConsumerRecord) -> int | None:
+        """Records between this one and its partition's highwater as of the fetch that brought it."""
+        highwater = self.consumer.highwater(TopicPartition(record.topic, record.partition))
+        return None if highwater is None else highwater - record.offset - 1
 
     async def _dead_letter_unreadable(self, record: ConsumerRecord, broken, position: Position, bound) -> None:
         message = broken.message if broken.first_offset == record.offset else \

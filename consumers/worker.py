@@ -39,6 +39,7 @@ from consumers.intake import Intake
 from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
 from consumers.offsets import OffsetTracker
+from consumers.publish_clock import PublishClock
 from consumers.publisher import Publisher
 from consumers.topics import ensure_topics
 from schemas import KafkaConfig
@@ -73,6 +74,8 @@ class KafkaStatistics:
     pauses: int
     resumes: int
     abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
+    clock_skew_ms: float = 0.0  # the latest apparent skew of a producer's clock at a partition's head (publish_clock.py)
+    untrusted_timestamps: int = 0  # fresh questions whose stamp was older than their timeout: timed from arrival
 
 
 class KafkaWorker:
@@ -94,6 +97,7 @@ class KafkaWorker:
         reply_avoid_s: float = 60.0,  # a reply topic the broker refused is not tried again for this long
         commit_debounce_s: float = 0.05,  # a settled offset is committed this soon (settles close together share it)
         health_window_s: float = 30.0,
+        default_timeout_ms: int | None = None,  # a question's deadline when it sets none (aggregator.timeout_ms)
     ) -> None:
         if cfg.bootstrap_servers == EMBEDDED:
             raise ValueError('bootstrap_servers is "embedded": start it first with consumers.embedded_kafka(cfg)')
@@ -110,6 +114,7 @@ class KafkaWorker:
         self.publish_retry_s = cfg.publish_retry_ms / 1000 if publish_retry_s is None else publish_retry_s
         self.reply_avoid_s = reply_avoid_s
         self.health_window_s = health_window_s
+        self.clock = PublishClock(default_timeout_ms, head_records=max_records)
         self.commit_debounce_s = commit_debounce_s
         self.tracker = OffsetTracker()
         self.ledger = QuestionLedger(dedup_capacity)
@@ -188,6 +193,7 @@ class KafkaWorker:
             assigned=_partitions(consumer.assignment() if consumer else ()),
             paused=_partitions(consumer.paused() if consumer else ()),
             in_flight=self.tracker.in_flight(), commits=self.committer.commits if self.committer else 0,
+            clock_skew_ms=self.clock.skew_ms, untrusted_timestamps=self.clock.untrusted,
             **intake, **published,
         )
 
@@ -202,7 +208,7 @@ class KafkaWorker:
                 self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,
                                       self._settled, self.questions_out, self.watermarks,
                                       max_records=self.max_records, trust=self.cfg.trust,
-                                      limits=self.cfg.limits)
+                                      limits=self.cfg.limits, clock=self.clock)
                 tg.start_soon(self.committer.run)
                 tg.start_soon(self._run_intake)
                 self._serving = True

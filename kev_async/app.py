@@ -104,7 +104,8 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
         # Before any actor starts: kept commands signed by keys this worker lacks would revert silently (a key
         # rotation half done), so it refuses to start, naming them (consumers/control_history.py).
         await refuse_unverifiable(kafka_cfg)
-        worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options)
+        worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options,
+                             default_timeout_ms=cfg.aggregator.timeout_ms)
         metrics.watch_kafka(worker)
         kafka_watch = KafkaLoopWatch(shutdown)
         supervisor = Supervisor("kev", [

@@ -117,7 +117,7 @@ def test_a_question_that_expires_in_the_waiting_queue_is_never_prefilled(model, 
 @pytest.mark.anyio
 async def test_a_record_older_than_its_timeout_is_answered_timeout_through_kafka(kafka_broker, model, options):
     """The record's own timestamp (CreateTime) reaches the engine as the publish time."""
-    from consumers import Outbound
+    from consumers import Outbound, create_topics, topic_plan
     from kev_async.engine_actor import engine_actor
 
     cfg = kafka_config(kafka_broker, partitions=1)
@@ -127,23 +127,66 @@ async def test_a_record_older_than_its_timeout_is_answered_timeout_through_kafka
         made.append(Engine(model, options))
         return made[-1]
 
+    # A backlog: the stale record waits behind more records than one fetch takes (max_records) when the
+    # worker starts, so its stamp is believed (publish_clock.py).
+    await create_topics(cfg, topic_plan(cfg))
+    await send_questions(kafka_broker.bootstrap_servers, cfg.questions_topic,
+                         [("stale", now_ms(-120)), *((f"fresh-{i}", None) for i in range(5))])
     actor = partial(engine_actor, engine_factory=make_engine, wrap=Outbound)
-    async with running_worker(cfg, actor):
-        producer = AIOKafkaProducer(bootstrap_servers=kafka_broker.bootstrap_servers, acks="all")
-        await producer.start()
-        try:
-            for qid, stamp in (("stale", now_ms(-120)), ("fresh", None)):
-                event = {"question_id": qid, "prompt": "Name a colour.", "timeout_ms": 10_000,
-                         "params": {"max_new_tokens": 4, "temperature": 0.0}}
-                await producer.send_and_wait(cfg.questions_topic, msgspec.json.encode(event), key=qid.encode(),
-                                             timestamp_ms=stamp)
-        finally:
-            await producer.stop()
-        records = await read_topic(kafka_broker.bootstrap_servers, cfg.answers_topic, 2)
+    async with running_worker(cfg, actor, max_records=4):
+        records = await read_topic(kafka_broker.bootstrap_servers, cfg.answers_topic, 6)
     answers = {a.question_id: a for a in map(decode_answer, (r.value for r in records))}
-    stale, fresh = answers["stale"], answers["fresh"]
+    stale, fresh = answers.pop("stale"), list(answers.values())
     assert stale.finish_reason == "timeout" and stale.error.code == "deadline_expired"
     assert stale.usage.prompt_tokens == 0 and stale.token_ids == ()
-    assert fresh.finish_reason == "length" and fresh.error is None
-    # Only the fresh question's prompt was ever admitted (prefilled) by the engine.
-    assert made[0].core.scheduler.prompt_tokens_admitted == fresh.usage.prompt_tokens
+    assert all(a.finish_reason == "length" and a.error is None for a in fresh)
+    # Only the fresh questions' prompts were ever admitted (prefilled) by the engine.
+    assert made[0].core.scheduler.prompt_tokens_admitted == sum(a.usage.prompt_tokens for a in fresh)
+
+
+@pytest.mark.kafka
+@pytest.mark.anyio
+async def test_a_producer_whose_clock_runs_70_s_behind_still_gets_its_60_s_questions_answered(
+        kafka_broker, model, options):
+    """Issue 39, finding 8: a fresh record at the head of its partition is not older than its timeout,
+    whatever its stamp says; the skew is measured and exported."""
+    from consumers import Outbound
+    from kev_async.engine_actor import engine_actor
+
+    cfg = kafka_config(kafka_broker, partitions=1)
+    actor = partial(engine_actor, engine_factory=lambda: Engine(model, options), wrap=Outbound)
+    async with running_worker(cfg, actor) as worker:
+        await send_questions(kafka_broker.bootstrap_servers, cfg.questions_topic,
+                             [(f"skewed-{i}", now_ms(-70)) for i in range(3)], timeout_ms=60_000)
+        records = await read_topic(kafka_broker.bootstrap_servers, cfg.answers_topic, 3)
+        stats = worker.statistics()
+    answers = [decode_answer(r.value) for r in records]
+    assert [a.finish_reason for a in answers] == ["length"] * 3, [a.error for a in answers]
+    assert 69_000 < stats.clock_skew_ms < 90_000 and stats.untrusted_timestamps == 3
+
+
+def test_only_a_stamp_at_the_partitions_head_older_than_its_timeout_is_disbelieved():
+    from consumers.publish_clock import PublishClock
+
+    clock = PublishClock(60_000, head_records=64, now_ms=lambda: 1_000_000.0)
+    assert clock.published_ms(930_000, None, lag=0) is None  # 70 s "old" at the head: the clock is wrong
+    assert clock.skew_ms == 70_000 and clock.untrusted == 1
+    assert clock.published_ms(930_000, None, lag=500) == 930_000  # deep in a backlog: late indeed
+    assert clock.published_ms(930_000, 100_000, lag=0) == 930_000  # within its own (longer) timeout
+    assert clock.published_ms(950_000, None, lag=None) == 950_000  # lag unknown: believed
+    assert clock.published_ms(1_500_000, None, lag=0) == 1_500_000  # ahead: now, downstream (published_at)
+    assert clock.skew_ms == -500_000
+    assert clock.published_ms(None, None, lag=0) is None and clock.published_ms(-1, None, lag=0) == -1
+
+
+async def send_questions(bootstrap: str, topic: str, stamped: list, *, timeout_ms: int = 10_000) -> None:
+    """Questions (question_id, record timestamp or None for now) with `timeout_ms`, acked in order."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for qid, stamp in stamped:
+            event = {"question_id": qid, "prompt": "Name a colour.", "timeout_ms": timeout_ms,
+                     "params": {"max_new_tokens": 4, "temperature": 0.0}}
+            await producer.send_and_wait(topic, msgspec.json.encode(event), key=qid.encode(), timestamp_ms=stamp)
+    finally:
+        await producer.stop()

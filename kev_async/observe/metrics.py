@@ -243,6 +243,10 @@ class _LiveCollector:
         records = CounterMetricFamily("kev_kafka_records", "Question records fetched.")
         duplicates = CounterMetricFamily("kev_kafka_duplicates", "Questions not answered again (already seen).")
         commits = CounterMetricFamily("kev_kafka_commits", "Offset commits.")
+        skew = GaugeMetricFamily("kev_kafka_clock_skew_ms", "How far a producer's clock runs behind this worker's "
+                                 "(negative: ahead), by the latest record fetched at a partition's head.")
+        untrusted = CounterMetricFamily("kev_kafka_untrusted_timestamps", "Fresh questions whose record stamp was "
+                                        "older than their timeout: their deadline counted from arrival instead.")
         published = CounterMetricFamily("kev_kafka_published", "Records acked by the broker, by kind "
                                         "(error_answers include invalid questions the engine never saw).",
                                         labels=["kind"])
@@ -256,9 +260,11 @@ class _LiveCollector:
             records.add_metric([], stats.records)
             duplicates.add_metric([], stats.duplicates)
             commits.add_metric([], stats.commits)
+            skew.add_metric([], stats.clock_skew_ms)
+            untrusted.add_metric([], stats.untrusted_timestamps)
             for kind in ("answers", "error_answers", "deltas", "dead_letters"):
                 published.add_metric([kind], getattr(stats, kind))
-        yield from (in_flight, assigned, paused, lag, records, duplicates, commits, published)
+        yield from (in_flight, assigned, paused, lag, records, duplicates, commits, skew, untrusted, published)
 
     async def sample_lag(self) -> None:
         """Lag per assigned partition: aiokafka's highwater (from the last fetch response) minus position.
