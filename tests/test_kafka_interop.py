@@ -54,6 +54,7 @@ async def test_a_confluent_kafka_client_asks_and_reads_the_answer(kafka_broker):
 
     assert message.key() == b"from-librdkafka"
     assert dict(message.headers()) == {"schema": b"1", "content-type": b"application/json",
-                                       "question_id": b"from-librdkafka", "request_id": b"req-7"}
+                                       "question_id": b"from-librdkafka", "request_id": b"req-7",
+                                       "principal": b"unsigned/-"}
     answer = decode_answer(message.value())
     assert (answer.question_id, answer.request_id, answer.text) == ("from-librdkafka", "req-7", "echo: hello from C")
