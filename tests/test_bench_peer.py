@@ -58,8 +58,9 @@ def test_the_table_puts_kev_beside_the_servers_timings(tiny_model_dir, capsys):
     decode = _row(out, "| decode, one question (ms/token) |")
     prefill = _row(out, "| prefill, 120-token prompt (tokens/s) |")
     assert decode[1] == 4.0 and prefill[1] == 500.0  # llama.cpp's own timings, as it sent them
-    assert decode[2] == pytest.approx(4.0 / decode[0], rel=0.02)  # ms: llama / kev; tokens/s: kev / llama
-    assert prefill[2] == pytest.approx(prefill[0] / 500.0, rel=0.02)
+    # The ratio is printed to two decimals: on a slow host (kev at ~56 ms/token) 0.0714 prints as 0.07.
+    assert decode[2] == pytest.approx(4.0 / decode[0], rel=0.02, abs=0.006)  # ms: llama / kev; tokens/s: kev / llama
+    assert prefill[2] == pytest.approx(prefill[0] / 500.0, rel=0.02, abs=0.006)
     kev_ms = [float(v) for v in _after(out, "kev decode per repeat: ").split(", ")]
     assert len(kev_ms) == 3 and statistics.median(kev_ms) == pytest.approx(decode[0], abs=0.01)
     assert "greedy tokens, kev vs llama.cpp: " in out and "/12); every repeat the same answer on each side: yes" in out
