@@ -251,10 +251,11 @@ def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(stack):
                           if line.startswith("kev_gateway_cancels_total")))
 
     before = cancels()
-    # The pattern allows no end before 900 letters: a sampled end-of-text token from the random tiny model
-    # must not finish the answer inside the client's 0.5 s (it did, now and then, under load).
+    # The pattern allows no end before max_tokens (900 tokens of letters are far fewer than 20,000 letters):
+    # a sampled end-of-text token from the random tiny model must not finish the answer inside the client's
+    # 0.5 s (it did, now and then).
     body = {"model": MODEL, "messages": SEA, "max_tokens": 900,
-            "response_format": {"type": "regex", "pattern": "[a-z]{900}"}}
+            "response_format": {"type": "regex", "pattern": "[a-z]{20000}"}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5),
                    headers={"authorization": f"Bearer {API_KEY}"})
