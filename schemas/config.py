@@ -128,6 +128,9 @@ class SamplingConfig(_Section):
 
 class AggregatorConfig(_Section):
     timeout_ms: Positive = 60000
+    # The order `kev.Engine.wait()` returns a request's results in: slot_map = as submitted, seq_append = as
+    # they finished, priority = highest priority first (then as submitted). Kafka answers are per question.
+    mode: Literal["slot_map", "seq_append", "priority"] = "slot_map"
 
 
 class SecurityConfig(_Section):
