@@ -26,7 +26,7 @@ from engine.kernels.flash import FlashAttention, flash_installed
 from engine.kernels.rowwise import RowwiseAttention
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
-from engine.kv.prefix_cache import prefix_salt
+from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.model.runner import ModelRunner
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
@@ -35,6 +35,7 @@ from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
 from engine.schedule.sequence import Sequence, Status
 from engine.speculate.setup import build_drafter, measure_costs
+from engine.system_prefix import SystemPrefix
 from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.engine")
@@ -69,6 +70,7 @@ class EngineCore:
         measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
+        self.system_prefix = SystemPrefix(model.tokenizer) if options.prefix_system_only else None
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets)
         self.output = OutputProcessor(model.tokenizer, options.worker)
@@ -117,8 +119,7 @@ class EngineCore:
             constraint=constraint,
             ignored_fields=ignored,
         )
-        if self.options.prefix_caching:
-            seq.cache_salt = self._prefix_salt(question, seq)
+        self._share_prefix(question, seq)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         try:
             self.scheduler.add(seq)
@@ -172,9 +173,17 @@ class EngineCore:
     def _timeout_ms(self, question: QuestionEvent) -> int | None:
         return question.timeout_ms or self.options.default_timeout_ms
 
-    def _prefix_salt(self, question: QuestionEvent, seq: Sequence) -> bytes:
+    def _share_prefix(self, question: QuestionEvent, seq: Sequence) -> None:
+        """Give `seq` its prefix-cache salt (isolation.level system_prefix or shared); under system_prefix its
+        hash chain stops at the last block wholly inside its prompt's system part, so no other block of it is
+        ever named in the cache, nor read from it."""
+        if not self.options.prefix_caching:
+            return
         tenant = question.tenant if self.options.prefix_scope == "tenant" else None
-        return prefix_salt(str(self.model.path), tenant, question.cache_salt, seq.cache_namespace)
+        seq.cache_salt = prefix_salt(str(self.model.path), tenant, question.cache_salt, seq.cache_namespace)
+        if self.system_prefix is not None:
+            system = self.system_prefix.length(question, seq.prompt_ids)
+            seq.prefix_hashes = chain_hashes(seq.cache_salt, seq.prompt_ids[:system], self.block_size)
 
     def cancel(self, question_id: str) -> bool:
         return self.scheduler.cancel(question_id)

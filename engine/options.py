@@ -49,7 +49,8 @@ class EngineOptions:
     length_aware: bool = _key("scheduler.length_aware_grouping")
     early_stop: bool = _key("scheduler.early_stop")  # evict a finished question the step it ends
     deterministic: bool = _key("isolation.deterministic")  # bitwise-identical logits whatever shares the forward
-    prefix_caching: bool = False  # isolation.level: shared -- reuse cached full prompt blocks
+    prefix_caching: bool = False  # isolation.level system_prefix or shared: reuse cached full prompt blocks
+    prefix_system_only: bool = False  # isolation.level system_prefix: only blocks inside the prompt's system part
     prefix_scope: PrefixScope = _key("isolation.prefix_scope")  # tenant: a prefix serves its own tenant only
     kv_dtype: KvDtype = _key("kv_cache.dtype")  # auto (the model's dtype) | int8 (per token and head scales)
     attention: AttentionBackend = _key("core.attention")  # auto | flash-attn | sdpa (engine/kernels/backend.py)
@@ -78,7 +79,8 @@ class EngineOptions:
         keyed = {f.name: _read(cfg, f.metadata["key"]) for f in fields(cls) if "key" in f.metadata}
         return cls(
             **keyed,
-            prefix_caching=cfg.isolation.level == "shared",
+            prefix_caching=cfg.isolation.level != "strict",
+            prefix_system_only=cfg.isolation.level == "system_prefix",
             audit=cfg.isolation.debug or cfg.logging.level == "debug",
             worker=worker,
             default_timeout_ms=cfg.aggregator.timeout_ms,

@@ -31,6 +31,7 @@ Fraction = Annotated[float, Meta(gt=0, le=1)]
 SchedulingPolicy = Literal["fcfs", "shortest_prompt_first", "priority"]  # the order waiting questions are admitted in
 OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to a new question
 PrefixScope = Literal["tenant", "global"]
+IsolationLevel = Literal["strict", "system_prefix", "shared"]  # what a question may read of another's KV blocks
 KvDtype = Literal["auto", "int8"]
 AttentionBackend = Literal["auto", "flash-attn", "sdpa"]  # auto: flash-attn where it can run, else torch SDPA
 UnknownFieldsPolicy = Literal["ignore", "report", "reject"]  # intake.unknown_fields
@@ -73,9 +74,11 @@ class RouterConfig(_Section):
 
 
 class IsolationConfig(_Section):
-    level: Literal["strict", "shared"] = "strict"
-    prefix_scope: PrefixScope = "tenant"  # who may share a cached prefix (level: shared)
-    shared_prefix: str = ""
+    # strict: nothing shared. system_prefix: the prefix cache, for the KV blocks wholly inside a prompt's system
+    # part (the chat template up to the first non-system message); a user turn's blocks are never shared.
+    # shared: the prefix cache for every leading full prompt block (docs/prefix-cache.md).
+    level: IsolationLevel = "strict"
+    prefix_scope: PrefixScope = "tenant"  # who may share a cached prefix (level: system_prefix or shared)
     deterministic: bool = False
     debug: bool = False
 
