@@ -66,10 +66,12 @@ class EngineCore:
                                   weights=weights)
         self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position, self.runner.attention),
                                    drafter=build_drafter(options, model, weights, num_blocks * self.block_size,
-                                                         self.block_size))
+                                                         self.block_size),
+                                   adapter_slot=self._adapter_slot)
         measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
+        self._awaiting_adapter: dict[str, QuestionEvent] = {}  # waiting for a resident adapter slot, by id
         self.system_prefix = SystemPrefix(model.tokenizer) if options.prefix_system_only else None
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets)
@@ -119,7 +121,8 @@ class EngineCore:
             constraint=constraint,
             ignored_fields=ignored,
         )
-        self._share_prefix(question, seq)
+        if not seq.awaits_adapter:  # else once it holds its adapter: the prefix cache's salt names the version
+            self._share_prefix(question, seq)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         try:
             self.scheduler.add(seq)
@@ -127,6 +130,8 @@ class EngineCore:
             self.loras.release(lora)
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
+        if seq.awaits_adapter:
+            self._awaiting_adapter[qid] = question
         self.output.track(question, seq)
         return seq
 
@@ -185,6 +190,21 @@ class EngineCore:
             system = self.system_prefix.length(question, seq.prompt_ids)
             seq.prefix_hashes = chain_hashes(seq.cache_salt, seq.prompt_ids[:system], self.block_size)
 
+    def _adapter_slot(self, seq: Sequence) -> bool:
+        """The scheduler's offer to a question waiting for its adapter, as its turn to be admitted comes: True
+        once it holds the adapter's current version; False while every resident slot is in use, or when the
+        adapter went away (unloaded, its files unreadable) while it waited, which ends it with that error."""
+        try:
+            seq.lora = acquire_adapter(self.loras, seq.adapter)
+        except QuestionRejected as rejected:
+            seq.error, seq.error_code = rejected.message, rejected.code
+            self.scheduler.finish(seq, Status.ERROR)
+            return False
+        if seq.lora is None:
+            return False
+        self._share_prefix(self._awaiting_adapter.pop(seq.question_id), seq)
+        return True
+
     def cancel(self, question_id: str) -> bool:
         return self.scheduler.cancel(question_id)
 
@@ -239,6 +259,7 @@ class EngineCore:
 
     def _answer(self, seq: Sequence) -> AnswerEvent:
         self.loras.release(seq.lora)
+        self._awaiting_adapter.pop(seq.question_id, None)  # ended (a timeout, a cancel) before it got its adapter
         return self.output.answer(seq)
 
     def _audit(self, owners, segments) -> None:

@@ -82,14 +82,15 @@ def _with_hint(name: str) -> str:
 
 
 def acquire_adapter(loras: LoraPool, name: str | None) -> LoraAdapter | None:
-    """The adapter version a question named, held for it until its answer; None when it names none."""
+    """The adapter version a question named, held for it until its answer; None when it names none, or
+    while every resident slot is held (it then waits in the scheduler for one: `Sequence.awaits_adapter`)."""
     if not name:
         return None
     try:
         return loras.acquire(name)
     except UnknownAdapter:
         raise QuestionRejected("unknown_adapter", f"adapter {name!r} is not loaded") from None
-    except AdapterPoolFull as exc:
-        raise QuestionRejected("overloaded", str(exc)) from None
+    except AdapterPoolFull:
+        return None
     except AdapterError as exc:  # evicted, and its files changed or went away since it was loaded
         raise QuestionRejected("adapter_error", str(exc)) from None

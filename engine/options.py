@@ -56,7 +56,7 @@ class EngineOptions:
     attention: AttentionBackend = _key("core.attention")  # auto | flash-attn | sdpa (engine/kernels/backend.py)
     audit: bool = False  # log a `forward.mask` summary per forward (isolation.debug or logging.level: debug)
     debug: bool = _key("isolation.debug")  # add the token-level routing table to each summary
-    max_loras: int = 8  # LoRA adapters resident at once; idle ones are evicted least recently used first
+    max_loras: int = _key("adapters.max_resident")  # resident at once; idle ones evicted least recently used first
     worker: str = "kev"
     default_timeout_ms: int | None = None  # deadline for questions that set none; from_config: aggregator.timeout_ms
     routing_strategy: RoutingStrategy = _key("router.strategy")  # the routing bucket recorded in each audit

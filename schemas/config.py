@@ -289,13 +289,19 @@ class GatewayConfig(_Section):
 
 
 class AdaptersConfig(_Section):
-    """Where `load_adapter` control commands may read LoRA adapters from (`adapters.root`).
+    """Where `load_adapter` control commands may read LoRA adapters from (`adapters.root`), and how many
+    adapters stay resident (`adapters.max_resident`).
 
     A command's path (relative paths are taken under the root) must resolve, symlinks followed, to a
     directory under the root, else the command is refused: a control command never reads an arbitrary
-    file. None = `adapters` under Kev's cache directory (e.g. ~/.cache/kev/adapters)."""
+    file. None = `adapters` under Kev's cache directory (e.g. ~/.cache/kev/adapters).
+
+    At most `max_resident` adapters are in memory; an idle one is evicted least recently used first. A
+    question whose adapter is not resident while every resident one is held by questions in flight waits
+    (within its deadline) for one to be let go."""
 
     root: str | None = None
+    max_resident: Annotated[int, Meta(ge=1, le=1024)] = 8
 
 
 class BrokerConfig(_Section):

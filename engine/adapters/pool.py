@@ -17,12 +17,13 @@ class UnknownAdapter(KeyError):
 
 
 class AdapterPoolFull(RuntimeError):
-    """Every resident adapter is held by a question in flight; none can make room."""
+    """Every resident adapter is held by a question in flight; none can make room. The engine's questions
+    wait for a slot instead (the scheduler offers them one as they come up for admission)."""
 
 
 class LoraPool:
-    """Adapters by name. At most `max_loras` are resident (weights in memory), least recently used
-    evicted first, and never one a question in flight holds. An evicted adapter stays registered and
+    """Adapters by name. At most `max_loras` (adapters.max_resident) are resident (weights in memory), least
+    recently used evicted first, and never one a question in flight holds. An evicted adapter stays registered and
     is read back from its path when next asked for (under the same version: files must not change
     while registered; load the name again to serve new files).
 
@@ -69,7 +70,7 @@ class LoraPool:
             if name not in self._registered:
                 raise UnknownAdapter(name)
             if not self._make_room():
-                raise AdapterPoolFull(f"all {self.max_loras} resident adapters (max_loras) are in use")
+                raise AdapterPoolFull(f"all {self.max_loras} resident adapters (adapters.max_resident) are in use")
             path, version = self._registered[name]
             adapter = self._resident[name] = self._read(name, path, version)
         self._resident.move_to_end(name)

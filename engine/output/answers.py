@@ -58,7 +58,7 @@ def _error(seq: Sequence) -> ErrorInfo | None:
     if seq.status == Status.ERROR and seq.constraint is not None and seq.constraint.failed:
         return ErrorInfo("constraint_failed", seq.error or seq.constraint.failed)
     if seq.status == Status.ERROR:
-        return ErrorInfo("internal_error", seq.error or "")
+        return ErrorInfo(seq.error_code or "internal_error", seq.error or "")
     if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty
         return ErrorInfo("deadline_expired", seq.error)
     return None

@@ -36,9 +36,13 @@ class PromptTooLong(ValueError):
 
 class Scheduler(Speculation):
     def __init__(self, pool: BlockPool, limits: SchedulerLimits = SchedulerLimits(),
-                 clock: Callable[[], float] = time.monotonic, drafter=None) -> None:
+                 clock: Callable[[], float] = time.monotonic, drafter=None,
+                 adapter_slot: Callable[[Sequence], bool] | None = None) -> None:
         self.pool = pool
         self.drafter = drafter  # None: no speculative decoding (engine/speculate/: NgramDrafter, DraftModel)
+        # Offered a question that waits for a resident adapter slot when its turn to be admitted comes: True
+        # once it holds its adapter; False while every slot is in use (or when it ended the question).
+        self.adapter_slot = adapter_slot
         self.limits = limits
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -229,6 +233,8 @@ class Scheduler(Speculation):
         for seq in admission_order(self.waiting, self.running, self.limits.policy, self.limits.length_aware):
             if budget <= 0 or len(self.running) >= self.limits.max_running or not self.pool.num_free:
                 return
+            if seq.awaits_adapter and not (self.adapter_slot and self.adapter_slot(seq)):
+                continue  # every resident adapter is held by a question in flight: it waits for one to be let go
             cached = cached_blocks(self.pool, seq)
             if awaits_prefix(self.pool, seq, cached, in_flight):
                 continue  # its next block is being computed right now: read it soon rather than compute it too
@@ -319,7 +325,10 @@ class Scheduler(Speculation):
         now = self.clock()
         for seq in self.running + self.waiting:
             if seq.deadline is not None and now >= seq.deadline:
-                if seq.admitted_at is None:  # never computed: the answer says why it is empty
+                if seq.awaits_adapter:  # never computed: the answer says why it is empty
+                    seq.error = (f"the question's deadline passed while it waited for adapter {seq.adapter!r} to "
+                                 f"get a resident slot (adapters.max_resident, every one in use)")
+                elif seq.admitted_at is None:
                     seq.error = "the question's deadline passed while it waited for a place in the batch"
                 self.finish(seq, Status.TIMEOUT)
 

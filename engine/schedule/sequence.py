@@ -85,6 +85,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    error_code: str | None = None  # the error answer's code where it is not internal_error (an adapter's)
     routing_bucket: int | None = None
     audit_blocks: tuple[int, ...] = ()  # the blocks it held when it ended, for the answer's audit
     # The prefix cache (isolation.level: shared). No salt = this question neither reads nor fills it.
@@ -124,6 +125,11 @@ class Sequence:
         (or version) is never served to another.
         """
         return None if self.lora is None else self.lora.key
+
+    @property
+    def awaits_adapter(self) -> bool:
+        """It names an adapter that no resident slot holds for it yet (adapters.max_resident, all in use)."""
+        return self.adapter is not None and self.lora is None
 
     @property
     def num_prompt_tokens(self) -> int:
