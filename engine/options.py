@@ -60,7 +60,8 @@ class EngineOptions:
     worker: str = "kev"
     default_timeout_ms: int | None = None  # deadline for questions that set none; from_config: aggregator.timeout_ms
     routing_strategy: RoutingStrategy = _key("router.strategy")  # the routing bucket recorded in each audit
-    routing_buckets: int = _key("router.channel_pool_size")
+    routing_buckets: int = _key("router.buckets")
+    channel_pool_size: int | None = _key("router.channel_pool_size")  # see max_in_flight
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
     compiles_per_principal: int = 2  # response_format compiles one principal may hold at once (compile_budget.py)
@@ -72,6 +73,11 @@ class EngineOptions:
     ngram_max: int = _key("speculative.ngram_max")
     speculative_policy: SpeculativePolicy = _key("speculative.policy")  # auto | always
     defaults: Defaults = field(default_factory=Defaults)  # KEV_TEMPERATURE etc. are read by the config loader alone
+
+    @property
+    def max_in_flight(self) -> int:
+        """The channel pool: questions a worker holds at once, in the batch or waiting for a channel there."""
+        return self.channel_pool_size or 2 * self.max_batch_size
 
     @classmethod
     def from_config(cls, cfg: KevConfig, worker: str = "kev") -> "EngineOptions":

@@ -82,8 +82,8 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     the questions before them, and not while it waits for a place.
 
     `wrap(event, source)` builds what goes into the outbox; without it the bare events go.
-    At most `max_in_flight` questions (default: two full batches) are taken and not yet answered
-    (those still being prepared count); past that, and while the outbox is full, the actor stops
+    At most `max_in_flight` questions (default: the channel pool, router.channel_pool_size) are taken and not
+    yet answered (those still being prepared count); past that, and while the outbox is full, the actor stops
     reading its inbox, so backpressure reaches whoever feeds it. If the actor crashes (say the device
     thread fails), every question it had taken, prepared or not, gets an "engine_failed" error answer
     before the crash goes on to the supervisor, so no asker waits forever and no source offset is
@@ -96,7 +96,7 @@ async def engine_actor(inbox: MemoryObjectReceiveStream, outbox: MemoryObjectSen
     engine = engine_factory()
     state = ControlState() if state is None else state
     with _own_device(engine) as device:
-        handler = MessageHandler(engine, outbox, max_in_flight or 2 * engine.options.max_batch_size, wrap, state)
+        handler = MessageHandler(engine, outbox, max_in_flight or engine.options.max_in_flight, wrap, state)
         try:
             async with engine, anyio.create_task_group() as commands:
                 await state.reapply(engine)

@@ -67,10 +67,19 @@ class DeployConfig(_Section):
 
 class RouterConfig(_Section):
     strategy: RoutingStrategy = "round_robin"
-    max_parallel_queries: Annotated[int, Meta(ge=1, le=4096)] = 32
-    channel_pool_size: Positive = 64
+    max_parallel_queries: Annotated[int, Meta(ge=1, le=4096)] = 32  # questions in one forward: the batch's channels
+    # The channel pool (seed 002): questions a worker holds at once, in the batch or taken and waiting for a
+    # channel there; past it the worker stops taking questions, so the backlog stays in Kafka. None = two
+    # batches (seed 002 advises 1.5-2x max_parallel_queries); below max_parallel_queries a batch could not fill.
+    channel_pool_size: Positive | None = None
+    buckets: Positive = 64  # routing buckets: the `routing_bucket` each answer's audit records
     overflow_policy: OverflowPolicy = "queue"
     max_waiting: Positive = 1024
+
+    def __post_init__(self) -> None:
+        if self.channel_pool_size is not None and self.channel_pool_size < self.max_parallel_queries:
+            raise ValueError(f"channel_pool_size: {self.channel_pool_size} is below max_parallel_queries "
+                             f"({self.max_parallel_queries}): a forward could never hold a full batch")
 
 
 class IsolationConfig(_Section):

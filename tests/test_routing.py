@@ -45,7 +45,7 @@ def test_config_maps_routing_and_default_deadline_and_shared_isolation():
     from schemas import config_from_dict
 
     options = EngineOptions.from_config(config_from_dict(
-        {"router": {"strategy": "semantic_hash", "channel_pool_size": 8}, "aggregator": {"timeout_ms": 1234}}))
+        {"router": {"strategy": "semantic_hash", "buckets": 8}, "aggregator": {"timeout_ms": 1234}}))
     assert (options.routing_strategy, options.routing_buckets, options.default_timeout_ms) == ("semantic_hash", 8, 1234)
     shared = EngineOptions.from_config(config_from_dict({"isolation": {"level": "shared"}}))
     assert (shared.prefix_caching, shared.prefix_scope) == (True, "tenant")
