@@ -1,7 +1,10 @@
-"""Load kev.yaml, apply KEV_* environment overrides, and validate into a KevConfig.
+"""Load kev.yaml, map the seed articles' spelling onto Kev's keys, apply KEV_* environment overrides, and
+validate into a KevConfig.
 
 `KEV_<SECTION>__<KEY>[__<KEY>]` sets any key (values parsed as YAML scalars); a few short names
-(KEV_MODEL, KEV_TEMPERATURE, ...: schemas.ENV_SHORTCUTS) cover the common ones. Other KEV_ names are left alone.
+(KEV_MODEL, KEV_TEMPERATURE, ...: schemas.ENV_SHORTCUTS) cover the common ones. An empty value means
+unset, as if the variable were not there. Other KEV_ names are left alone. Seed names (schemas/seed_keys.py)
+are read from the file only; the environment speaks Kev's names.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import msgspec.inspect as mi
 import yaml
 
 from schemas import ENV_SHORTCUTS, ConfigError, KevConfig, config_from_dict
+from schemas.config import BUILTIN_MODEL_NAMES
+from schemas.seed_keys import map_seed_keys
 
 SECRET_KEYS = {("kafka", "security", "sasl_plain_password"), ("kafka", "trust", "keys"), ("gateway", "api_keys")}
 _SCHEMA = mi.type_info(KevConfig)
@@ -24,13 +29,38 @@ _SCHEMA = mi.type_info(KevConfig)
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] = os.environ) -> KevConfig:
     """The config from `path` (None: defaults only) with env overrides; raise ConfigError."""
+    return load_config_with_mappings(path, env)[0]
+
+
+def load_config_with_mappings(path: str | Path | None = None,
+                              env: Mapping[str, str] = os.environ) -> tuple[KevConfig, list[str]]:
+    """The config, and one line per seed key or value the file used and what it became in Kev's names."""
     source = str(path) if path is not None else None
-    data = read_yaml(Path(path)) if path is not None else {}
+    seed = map_seed_keys(read_yaml(Path(path)) if path is not None else {})
     overrides = env_overrides(env)
     try:
-        return config_from_dict(_merge(data, overrides))
+        cfg = config_from_dict(_merge(seed.data, overrides))
     except ConfigError as error:
-        raise ConfigError(_blame_env(error.problems, overrides), source) from None
+        raise ConfigError(seed.problems + _blame_env(error.problems, overrides), source) from None
+    if seed.problems:
+        raise ConfigError(seed.problems, source)
+    return cfg, seed.notes
+
+
+def model_path_problem(model_path: str) -> str | None:
+    """Why `core.model_path` names nothing Kev can load on this host (engine/model/loader.py's rules), or None.
+
+    Checked by `kev config check` and `kev serve`, not by every command: a gateway's host need not hold the model.
+    """
+    if model_path in BUILTIN_MODEL_NAMES:
+        return None
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"{model_path} has no config.json (not an HF model folder)"
+    if path.is_file():
+        return None if path.suffix == ".gguf" else f"{model_path} is a file but not a .gguf"
+    return (f"{model_path} does not exist (a model folder, a .gguf file, or a built-in name: "
+            f"{', '.join(BUILTIN_MODEL_NAMES)})")
 
 
 def read_yaml(path: Path) -> dict:
@@ -48,11 +78,13 @@ def read_yaml(path: Path) -> dict:
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[tuple[str, ...], tuple[str, Any]]:
-    """Key path → (env var name, parsed value); raise ConfigError for names of unknown keys."""
+    """Key path → (env var name, parsed value); raise ConfigError for names of unknown keys.
+
+    An empty (or blank) value is no override, the shell's usual meaning: `KEV_TEMPERATURE=` leaves the default."""
     overrides, unknown = {}, []
     for name in sorted(env):
         keys = _env_keys(name)
-        if keys is None:
+        if keys is None or not env[name].strip():
             continue
         target = _field_type(keys)
         if target is None:

@@ -37,6 +37,9 @@ AttentionBackend = Literal["auto", "flash-attn", "sdpa"]  # auto: flash-attn whe
 UnknownFieldsPolicy = Literal["ignore", "report", "reject"]  # intake.unknown_fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the bundled SmolLM2, a built-in of engine/model/loader.py
+# Names core.model_path may give without a path: engine/model/loader.py's built-ins (a test keeps the two alike),
+# here so `kev config check` can tell a missing model from a built-in one without importing the engine.
+BUILTIN_MODEL_NAMES = (DEFAULT_MODEL,)
 EMBEDDED_BROKER = "embedded"  # kafka.bootstrap_servers: start the broker inside Kev
 
 # Short environment names for common keys; `KEV_<SECTION>__<KEY>` sets any key (kev_async/settings.py).

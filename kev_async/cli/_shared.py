@@ -7,7 +7,8 @@ import argparse
 
 import msgspec
 
-from kev_async.settings import load_config, set_threads
+from kev_async.settings import load_config_with_mappings, model_path_problem, set_threads
+from schemas import ConfigError
 
 
 def add_config_and_model(parser: argparse.ArgumentParser) -> None:
@@ -15,15 +16,25 @@ def add_config_and_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory, .gguf or built-in name (core.model_path)")
 
 
-def load_service_config(args: argparse.Namespace, **kafka):
+def load_service_config(args: argparse.Namespace, *, check_model: bool = False, **kafka):
+    """The config a command runs with (--config, KEV_*, --model, `kafka` overrides), logging set up by it.
+
+    `check_model`: a core.model_path naming nothing on this host is a ConfigError (one line) before anything
+    is logged or started."""
+    import structlog
+
     from kev_async.logs import configure_logging  # structlog is slow to import: not loaded for `kev --help`
 
-    cfg = load_config(args.config)
+    cfg, mappings = load_config_with_mappings(args.config)
     if args.model:
         cfg = msgspec.structs.replace(cfg, core=msgspec.structs.replace(cfg.core, model_path=args.model))
     kafka = {k: v for k, v in kafka.items() if v}
     if kafka:
         cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, **kafka))
+    if check_model and (missing := model_path_problem(cfg.core.model_path)) is not None:
+        raise ConfigError([("core.model_path", missing)])
     configure_logging(cfg.logging.level, cfg.logging.json)
+    if mappings:  # the seed's names the file used, and what each became: one line at start
+        structlog.get_logger("kev.config").info("config.seed_keys", mappings=mappings)
     set_threads(cfg.core.threads)
     return cfg

@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kev_async.runtime.lifecycle import run_service
     from schemas.signing import TrustKeyError
 
-    cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
+    cfg = load_service_config(args, check_model=True, bootstrap_servers=args.bootstrap_servers)
     if cfg.deploy.mode == "multi":
         return _serve_multi(cfg, args)
     try:
