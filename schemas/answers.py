@@ -29,6 +29,10 @@ class Timings(Struct, frozen=True):
     queued_ms: float = 0.0
     ttft_ms: float | None = None
     e2e_ms: float = 0.0
+    # Wall-clock ms since the epoch: when the engine took the question and when it ended (None when it
+    # never reached an engine); finished_ms - started_ms is e2e_ms within a millisecond's rounding.
+    started_ms: int | None = None
+    finished_ms: int | None = None
 
 
 class Audit(Struct, frozen=True):

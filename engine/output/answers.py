@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import msgspec
+
 from engine.intake import QuestionRejected
 from engine.output.detokenizer import TextStream
 from engine.schedule.sequence import Sequence, Status
@@ -41,8 +45,10 @@ def _accepted_drafts(seq: Sequence, completion_tokens: int) -> int:
 
 
 def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:
-    """The error answer of a question that never ran."""
-    return error_answer(question.question_id, question.request_id, exc.code, exc.message)
+    """The error answer of a question that never ran: taken and ended in the same instant."""
+    now = round(time.time() * 1000)
+    answer = error_answer(question.question_id, question.request_id, exc.code, exc.message)
+    return msgspec.structs.replace(answer, timings=Timings(started_ms=now, finished_ms=now))
 
 
 def _incomplete(seq: Sequence, stream: TextStream) -> bool:
@@ -67,13 +73,22 @@ def _error(seq: Sequence) -> ErrorInfo | None:
 def _timings(seq: Sequence) -> Timings:
     """Milliseconds from when the question reached this worker (`arrival`), not from its publish time:
     queued_ms until it was first admitted to the batch (0 if never), ttft_ms until its first token,
-    e2e_ms until it ended. Its deadline, unlike these, counts from the publish time."""
+    e2e_ms until it ended; started_ms and finished_ms are those two instants since the epoch. Its
+    deadline, unlike these, counts from the publish time."""
 
     def ms(t):
         return None if t is None else round((t - seq.arrival) * 1000, 3)
 
+    # The stamps are monotonic readings moved onto the wall clock by one offset, read once: a wall-clock
+    # step between them (NTP) cannot make finished_ms - started_ms differ from e2e_ms.
+    to_wall = time.time() - time.monotonic()
+
+    def epoch_ms(t):
+        return None if t is None else round((t + to_wall) * 1000)
+
     return Timings(queued_ms=ms(seq.admitted_at) or 0.0, ttft_ms=ms(seq.first_token_at),
-                   e2e_ms=ms(seq.finished_at) or 0.0)
+                   e2e_ms=ms(seq.finished_at) or 0.0,
+                   started_ms=epoch_ms(seq.arrival), finished_ms=epoch_ms(seq.finished_at))
 
 
 def _compact(sizes: list[int]) -> tuple[int, ...]:
