@@ -112,8 +112,10 @@ class Engine:
         its deadline (see engine/schedule/deadlines.py); `cancelled`: a cancel came before it, so it ends
         "cancelled" without computing; `principal`: who asked, whose compile budget its response_format
         uses. Its prompt is rendered and tokenized here, on a worker thread, so a huge prompt never holds
-        up a step; a prompt over the limits, or a response_format that does not compile, is answered here."""
-        question = as_question(question, next(self._numbers), **params)
+        up a step; a prompt over the limits, or a response_format that does not compile, is answered here.
+        Keys Kev does not know (a misspelt keyword, a dict's extra key) go as intake.unknown_fields says:
+        listed in the answer's audit and logged, or refused here with QuestionRejected (engine/prompt.py)."""
+        question = as_question(question, next(self._numbers), on_unknown=self.options.unknown_fields, **params)
         if self.closed:
             raise RuntimeError("the engine is closed")
         await self._places.acquire()

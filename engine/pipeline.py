@@ -14,8 +14,25 @@ from schemas import AnswerEvent
 Answer = AnswerEvent  # text, token_ids, finish_reason, usage, timings, audit
 
 
+class Answers(list):
+    """`run`'s answers in input order, that also answer as a mapping from each question's index (0..n-1):
+    `answers.items()`, `answers.get(i)`, as seed 000's aggregator reads them."""
+
+    def keys(self) -> range:
+        return range(len(self))
+
+    def values(self) -> list:
+        return list(self)
+
+    def items(self) -> list[tuple[int, object]]:
+        return list(enumerate(self))
+
+    def get(self, index: int, default=None):
+        return self[index] if isinstance(index, int) and 0 <= index < len(self) else default
+
+
 class IsolatedBatchPipeline:
-    """Blocking, one call at a time: `run(questions, **params) -> [Answer]` in input order."""
+    """Blocking, one call at a time: `run(questions, **params) -> Answers` in input order."""
 
     def __init__(self, model, *, max_batch_size: int = EngineOptions.max_batch_size,
                  kv_slot_capacity: int | None = None,
@@ -27,9 +44,12 @@ class IsolatedBatchPipeline:
                                            overflow_policy="queue", **option_overrides)
         self.core = EngineCore(model, self.options)
 
-    def run(self, questions, **params) -> list[Answer]:
-        """Strings, dicts or QuestionEvents; `params` (max_new_tokens, temperature, ...) fill in defaults."""
-        questions = [as_question(q, i, **params) for i, q in enumerate(questions)]
+    def run(self, questions, **params) -> Answers:
+        """Strings, dicts or QuestionEvents; `params` (max_new_tokens, temperature, ...) fill in defaults.
+        Keys Kev does not know go as intake.unknown_fields says (engine/prompt.py): reported in each
+        answer's audit.ignored_fields and logged, or refused with QuestionRejected before anything runs."""
+        policy = self.options.unknown_fields
+        questions = [as_question(q, i, on_unknown=policy, **params) for i, q in enumerate(questions)]
         answers: dict[str, Answer] = {}
         for question in questions:
             try:
@@ -39,4 +59,4 @@ class IsolatedBatchPipeline:
         while self.core.has_work:
             for answer in self.core.step().answers:
                 answers[answer.question_id] = answer
-        return [answers[q.question_id] for q in questions]
+        return Answers(answers[q.question_id] for q in questions)

@@ -1,9 +1,17 @@
-"""IsolatedBatchPipeline as a user calls it: answers in order, stop strings, transformers' greedy, errors."""
+"""IsolatedBatchPipeline as a user calls it: answers in order, stop strings, transformers' greedy, errors;
+answers by index, their start and end stamps, and keys Kev does not know on every Python path."""
 
+import re
+
+import anyio
 import pytest
 import torch
 
-from engine import IsolatedBatchPipeline
+from conftest import tiny_options
+from engine import Engine, IsolatedBatchPipeline, QuestionRejected
+from engine.prompt import as_question
+
+pytest_plugins = ["serve_fixtures"]
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "List three primary colors."]
 NEW_TOKENS = 32
@@ -115,3 +123,73 @@ def test_prompt_past_the_models_positions_is_refused_not_a_crash(tiny_models):
     assert answers["grows-past"].finish_reason == "length"
     assert answers["grows-past"].usage.prompt_tokens + answers["grows-past"].usage.completion_tokens <= 512
     assert len(answers["short"].token_ids) == 8
+
+
+# -- on the tiny random model (tests/serve_fixtures.py) ----------------------------------------------
+
+def tiny_greedy(**overrides):
+    from engine.defaults import Defaults
+
+    return tiny_options(defaults=Defaults(temperature=0.0, max_new_tokens=4), **overrides)
+
+
+def test_answers_also_answer_by_index(tiny_model):
+    answers = IsolatedBatchPipeline(tiny_model, options=tiny_greedy()).run(["one", "two"], max_new_tokens=3)
+    assert [qid for qid, _ in answers.items()] == [0, 1] and list(answers.keys()) == [0, 1]
+    assert answers.get(1) is answers[1] and answers.get(2) is None and answers.get(-1) is None
+    assert [answer.question_id for answer in answers.values()] == ["q0", "q1"]
+
+
+def test_answers_carry_start_and_end_stamps_as_far_apart_as_e2e(tiny_model):
+    pipe = IsolatedBatchPipeline(tiny_model, options=tiny_greedy())
+    answers = pipe.run(["hello", "hi there", "x" * 9000], max_new_tokens=5)
+    for answer in answers[:2]:
+        t = answer.timings
+        assert t.started_ms <= t.finished_ms
+        assert abs((t.finished_ms - t.started_ms) - t.e2e_ms) <= 1  # each stamp rounded to the ms
+    refused = answers[2].timings  # prompt_too_long: taken and ended at once
+    assert answers[2].error.code == "prompt_too_long" and refused.started_ms == refused.finished_ms > 0
+
+
+MISSPELT = "params.max_tokens (did you mean 'params.max_new_tokens'?)"
+
+
+def test_as_question_reports_refuses_or_ignores_unknown_keys(logs):
+    question = as_question({"prompt": "hi", "colour": "red", "params": {"temprature": 0.5}}, max_tokens=5)
+    assert question.unknown_fields == ("colour", "params.temprature", "params.max_tokens")
+    assert question.params.max_new_tokens is None  # nothing guessed
+    assert [line["fields"] for line in logs if line["event"] == "question.unknown_fields"] == [
+        ["colour", "params.temprature", "params.max_tokens"]]
+    with pytest.raises(QuestionRejected, match=re.escape(MISSPELT)) as refused:
+        as_question("hi", on_unknown="reject", max_tokens=5)
+    assert refused.value.code == "invalid_field"
+    logs.clear()
+    as_question("hi", on_unknown="ignore", max_tokens=5)
+    assert not logs
+
+
+def test_pipeline_run_lists_unknown_keywords_in_every_answer_or_refuses_them(tiny_model, logs):
+    pipe = IsolatedBatchPipeline(tiny_model, options=tiny_greedy())
+    answers = pipe.run(["a", "b"], max_new_tokens=2, max_tokens=9)
+    assert [a.audit.ignored_fields for a in answers] == [("params.max_tokens",)] * 2
+    assert all(len(a.token_ids) <= 2 for a in answers)  # the known keyword still applies
+    assert sum(line["event"] == "question.unknown_fields" for line in logs) == 2
+    strict = IsolatedBatchPipeline(tiny_model, options=tiny_greedy(unknown_fields="reject"))
+    with pytest.raises(QuestionRejected, match=re.escape(MISSPELT)):
+        strict.run(["a", "b"], max_tokens=9)
+    assert not strict.core.has_work and strict.core.pool.num_used == 0
+    quiet = IsolatedBatchPipeline(tiny_model, options=tiny_greedy(unknown_fields="ignore")).run(["a"], max_tokens=9)
+    assert quiet[0].audit.ignored_fields == ()
+
+
+def test_engine_submit_lists_unknown_keywords_or_refuses_them(tiny_model):
+    async def ask(policy: str):
+        async with Engine(tiny_model, tiny_greedy(unknown_fields=policy)) as engine:
+            if policy == "reject":
+                with pytest.raises(QuestionRejected, match=re.escape(MISSPELT)):
+                    await engine.submit("hi", max_tokens=9, temprature=0.5)
+                return engine.in_flight
+            return await engine.wait(await engine.submit("hi", max_tokens=9, temprature=0.5))
+
+    assert anyio.run(ask, "report").audit.ignored_fields == ("params.max_tokens", "params.temprature")
+    assert anyio.run(ask, "reject") == 0  # refused before it was queued
