@@ -128,6 +128,9 @@ def _isolation(out: SeedMapping) -> None:
         out.notes.append(f"seed key isolation.kv_cache: {kv_cache} → {_KV_CACHE[kv_cache]}")
     if shared_prefix is not _ABSENT:
         _share_prefix(out, section, "isolation.shared_prefix", shared_prefix)
+        if kv_cache == "shared_readonly":
+            out.notes.append("seed key isolation.kv_cache: shared_readonly → the read-only shared prefix blocks "
+                             "isolation.shared_prefix: true maps")
     elif kv_cache == "shared_readonly":
         _share_prefix(out, section, "isolation.kv_cache", True, shown="shared_readonly")
 

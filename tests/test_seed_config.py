@@ -157,6 +157,14 @@ def test_seed_values_that_cannot_mean_what_they_say_are_errors_naming_the_key(tm
     assert key in found and says in found[key], found
 
 
+def test_every_seed_key_used_gets_its_own_line(tmp_path):
+    text = "isolation: {shared_prefix: true, kv_cache: shared_readonly, ignore_pad_in_attention: true}\n"
+    cfg, mappings = load_config_with_mappings(write(tmp_path, text), env={})
+    assert cfg.isolation.level == "system_prefix"
+    assert [m.split(":")[0] for m in mappings] == ["seed key isolation.shared_prefix", "seed key isolation.kv_cache",
+                                                   "seed key isolation.ignore_pad_in_attention"]
+
+
 def test_a_seed_error_and_a_schema_error_are_reported_together(tmp_path, capsys):
     path = write(tmp_path, 'isolation: {shared_prefix: "yes"}\nscheduler: {batch_window_ms: -1}\n')
     assert main(["config", "check", str(path), "--no-env"]) == 2
