@@ -78,6 +78,9 @@ class RouterConfig(_Section):
     buckets: Positive = 64  # routing buckets: the `routing_bucket` each answer's audit records
     overflow_policy: OverflowPolicy = "queue"
     max_waiting: Positive = 1024
+    # Seed 002's gateway clean-up of each question's user text before the model reads it: repeated punctuation
+    # and whitespace collapsed, filler words and long empty prefixes at the start stripped (engine/normalization.py)
+    normalize: bool = False
 
     def __post_init__(self) -> None:
         if self.channel_pool_size is not None and self.channel_pool_size < self.max_parallel_queries:

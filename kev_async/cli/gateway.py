@@ -14,7 +14,8 @@ from schemas import DEFAULT_CONFIG, EMBEDDED_BROKER, ConfigError
 
 DESCRIPTION = """\
 Serve OpenAI's HTTP API (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, plus
-GET /health and GET /metrics) in front of Kev's Kafka topics. Each request becomes a question on
+GET /health and GET /metrics), and Kev's POST /v1/query (several questions in one call, one result
+each, gateway.max_queries_per_request at most), in front of Kev's Kafka topics. Each request becomes a question on
 kafka.questions_topic whose answer (and streaming deltas) comes back on this gateway's own reply
 topic, kev.replies.<instance>, created at start and deleted at stop. `kev serve` workers on the same
 brokers answer; run as many gateways as you like.

@@ -1,6 +1,7 @@
 """The routes: an OpenAI request becomes a QuestionEvent on Kafka; its answer becomes the response.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: true -> Server-Sent Events)
+    POST /v1/query              (several questions, one result each: seed 002's API, query.py)
     GET  /v1/chat/completions/{id}   GET /v1/completions/{id}   (a restarted stream's whole answer)
     GET  /v1/models             GET  /health           GET  /metrics
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import ExitStack
 
 import msgspec
 import structlog
@@ -33,6 +35,7 @@ from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
 from kev_async.gateway.metrics import CLIENT_GONE, CONTENT_TYPE, ObserveRequests, mark_client_gone
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
+from kev_async.gateway.query import new_request_id, parse_query, query_response, take_slots, to_questions, wait_for_all
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
@@ -53,7 +56,8 @@ class ClientGone(Exception):
 
 def create_app(gateway: Gateway) -> ObserveRequests:
     answers = {"/v1/chat/completions": AnswerEndpoint(gateway, ChatRequest),
-               "/v1/completions": AnswerEndpoint(gateway, CompletionRequest)}
+               "/v1/completions": AnswerEndpoint(gateway, CompletionRequest),
+               "/v1/query": QueryEndpoint(gateway)}
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in answers.items()),
         Route("/v1/chat/completions/{answer_id}", kept_answer, methods=["GET"]),
@@ -104,7 +108,7 @@ class AnswerEndpoint:
             return
         with slot:
             try:
-                response = await _answer(gateway, request, self.kind, caller, started, arrived_ms)
+                response = await self.respond(request, caller, started, arrived_ms)
             except ClientGone as gone:
                 _client_gone(scope, str(gone))
                 return
@@ -114,6 +118,53 @@ class AnswerEndpoint:
                 log.exception("gateway.request_failed", path=scope.get("path"))
                 response = internal_error()
             await _respond(response, scope, receive, send)
+
+    async def respond(self, request: Request, caller: Caller, started: float, arrived_ms: int) -> Response:
+        return await _answer(self.gateway, request, self.kind, caller, started, arrived_ms)
+
+
+class QueryEndpoint(AnswerEndpoint):
+    """ASGI: POST /v1/query. The request's first slot is taken from its headers, as every answer request's;
+    one more per further query once the body is parsed (query.py), held until the answers are in."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def respond(self, request: Request, caller: Caller, started: float, arrived_ms: int) -> Response:
+        gateway, request_id = self.gateway, new_request_id()
+        parsed = parse_query(await _read_body(request, gateway.cfg.gateway), gateway.cfg)
+        adapter = gateway.catalog.resolve(parsed.model) if parsed.model is not None else None
+        timeout_ms = gateway.deadline_ms(request, stream=False)
+        questions = to_questions(parsed, request_id=request_id, caller=caller, reply_topic=gateway.replies.topic,
+                                 timeout_ms=timeout_ms, adapter=adapter,
+                                 max_prompt_chars=gateway.cfg.gateway.max_prompt_chars)
+        wait_s = timeout_ms / 1000 + REPLY_GRACE_S
+        with take_slots(gateway.slots, caller.tenant, len(questions) - 1):
+            answers = await _ask_all(request, gateway, questions, wait_s, arrived_ms)
+        body = query_response(parsed, request_id, questions, answers, caller, wait_s)
+        return _json(body, headers={"x-request-id": request_id})
+
+
+async def _ask_all(request: Request, gateway: Gateway, questions: list[QuestionEvent], wait_s: float,
+                   arrived_ms: int) -> list[AnswerEvent | None]:
+    """Publish them all, then wait for every answer, the deadline, or the client leaving; whatever is
+    unanswered then is cancelled. A publish the broker refuses fails the request (503), and cancels all."""
+    with ExitStack() as expected, gateway.metrics.waiting():
+        pendings = [expected.enter_context(gateway.replies.expect(q.question_id)) for q in questions]
+        hung_up = False
+        try:
+            published = await asyncio.gather(*(gateway.publish(q, arrived_ms) for q in questions),
+                                             return_exceptions=True)  # each one acked or refused before going on
+            refused = next((outcome for outcome in published if isinstance(outcome, BaseException)), None)
+            if refused is not None:
+                raise refused
+            hung_up = await wait_for_all(pendings, request.receive, wait_s)
+        finally:
+            unanswered = [p.question_id for p in pendings if p.answer is None]
+            await asyncio.gather(*(gateway.cancel(question_id) for question_id in unanswered))
+    if hung_up:
+        raise ClientGone(f"hung up waiting for {len(unanswered)} of {len(questions)} answers; those cancelled")
+    return [pending.answer for pending in pendings]
 
 
 async def _respond(response, scope, receive, send) -> None:
