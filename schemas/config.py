@@ -286,6 +286,8 @@ class GatewayConfig(_Section):
     # Requests one tenant may have in flight (all anonymous callers together count as one), across every
     # process of `--processes N`; more get 429. A request holds its slot from its headers to its last byte.
     max_concurrent_per_tenant: Positive = 64
+    # Queries one POST /v1/query may carry; each takes one of its tenant's slots (docs/gateway.md#post-v1query).
+    max_queries_per_request: Positive = 64
     request_timeout_ms: Positive | None = None  # deadline of a request's question; None = aggregator.timeout_ms
     publish_timeout_ms: Positive = 3000  # the broker must ack a question within this, else 503
     # Limits on what a client may send before any work is done for it (docs/gateway.md#limits).
