@@ -23,8 +23,8 @@ DESCRIPTION = """\
 Kev answers many independent questions with one language model, one packed forward pass per step.
 Questions and answers are Kafka events; no answer depends on the questions that shared its pass."""
 
-COMMANDS: tuple[str, ...] = ("serve", "route", "gateway", "control", "demo", "drill", "ask", "bench", "audit", "model",
-                             "top", "config", "version")
+COMMANDS: tuple[str, ...] = ("serve", "route", "gateway", "control", "demo", "drill", "ask", "pipeline", "bench",
+                             "audit", "model", "top", "config", "version")
 
 
 def build_parser() -> argparse.ArgumentParser:
