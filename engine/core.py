@@ -28,6 +28,7 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.model.runner import ModelRunner
+from engine.normalization import normalized
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
 from engine.schedule.deadlines import deadline, expired_message
@@ -124,6 +125,7 @@ class EngineCore:
         if not seq.awaits_adapter:  # else once it holds its adapter: the prefix cache's salt names the version
             self._share_prefix(question, seq)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
+        seq.normalized = self.options.normalize and normalized(question) is not question
         try:
             self.scheduler.add(seq)
         except (PromptTooLong, Overloaded) as exc:
@@ -141,6 +143,8 @@ class EngineCore:
         Reads only the tokenizer and fixed limits: safe on any thread (Engine calls it on a worker
         thread, so tokenizing never holds up a step).
         """
+        if self.options.normalize:  # per question, before the template: the same tokens alone or packed
+            question = normalized(question)
         return prepare_prompt(self.model.tokenizer, question, self.scheduler.max_tokens_per_question)
 
     def deadline(self, question: QuestionEvent, arrival: float, published: float | None) -> float | None:

@@ -62,6 +62,7 @@ class EngineOptions:
     routing_strategy: RoutingStrategy = _key("router.strategy")  # the routing bucket recorded in each audit
     routing_buckets: int = _key("router.buckets")
     channel_pool_size: int | None = _key("router.channel_pool_size")  # see max_in_flight
+    normalize: bool = _key("router.normalize")  # user text cleaned up before tokenizing (engine/normalization.py)
     unknown_fields: UnknownFieldsPolicy = _key("intake.unknown_fields")  # ignore | report (in the audit) | reject
     grammar_cache_size: int = _key("structured.cache_size")  # compiled response_format grammars kept (LRU)
     compiles_per_principal: int = 2  # response_format compiles one principal may hold at once (compile_budget.py)

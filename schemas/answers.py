@@ -58,6 +58,7 @@ class Audit(Struct, frozen=True):
     principal: str = ""
     # This worker's attempt at the question (a redelivered question is a new attempt): its deltas carry the same
     attempt: str = ""
+    normalized: bool = False  # router.normalize changed the question's user text before it was tokenized
 
 
 class AnswerEvent(Struct, frozen=True):

@@ -87,6 +87,7 @@ class Sequence:
     error: str | None = None
     error_code: str | None = None  # the error answer's code where it is not internal_error (an adapter's)
     routing_bucket: int | None = None
+    normalized: bool = False  # router.normalize changed its user text (the answer's audit says so)
     audit_blocks: tuple[int, ...] = ()  # the blocks it held when it ended, for the answer's audit
     # The prefix cache (isolation.level: shared). No salt = this question neither reads nor fills it.
     cache_salt: bytes | None = None
