@@ -28,7 +28,7 @@ from consumers.committer import Committer, RevocationListener
 from consumers.ledger import QuestionLedger
 from consumers.messages import Position
 from consumers.offsets import OffsetTracker
-from consumers.partitioner import Partitioner
+from consumers.partitioner import Partitioner, Semantic
 from consumers.publisher import Publisher
 from consumers.record_guard import printable_headers, unreadable
 from consumers.topics import create_topics, topic_configs, topic_plan
@@ -42,11 +42,14 @@ HEADER_ROUTE = "kev.route"
 class RouteService:
     def __init__(self, cfg: KafkaConfig, strategy: str, *, intake_topic: str | None = None,
                  group_id: str | None = None, max_records: int = 256, shutdown_timeout: float = 10.0,
-                 consumer_options: Mapping[str, Any] | None = None) -> None:
+                 consumer_options: Mapping[str, Any] | None = None, semantic: Semantic | None = None) -> None:
+        """`semantic`: semantic_hash's partition function (consumers/partitioner.py), for that strategy only."""
         if cfg.bootstrap_servers == EMBEDDED:
             raise ValueError('kev route needs a running broker: kafka.bootstrap_servers is "embedded"')
         self.cfg = cfg
+        Partitioner(strategy, 1, semantic=semantic)  # a bad strategy is refused here, not at the first fetch
         self.strategy = strategy
+        self.semantic = semantic
         self.intake_topic = intake_topic or cfg.intake_topic
         self.group_id = group_id or f"{cfg.group_id}.route"
         self.max_records = max_records
@@ -157,4 +160,4 @@ class RouteService:
         if self.partitioner is None or self.partitioner.num_partitions != len(partitions):
             if self.partitioner is not None:
                 log.warning("route.partitions_changed", before=self.partitioner.num_partitions, after=len(partitions))
-            self.partitioner = Partitioner(self.strategy, partitions)
+            self.partitioner = Partitioner(self.strategy, partitions, semantic=self.semantic)

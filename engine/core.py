@@ -31,6 +31,7 @@ from engine.model.runner import ModelRunner
 from engine.normalization import normalized
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
+from engine.routing_embedding import EmbeddingHash
 from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
@@ -75,7 +76,8 @@ class EngineCore:
         self._awaiting_adapter: dict[str, QuestionEvent] = {}  # waiting for a resident adapter slot, by id
         self.system_prefix = SystemPrefix(model.tokenizer) if options.prefix_system_only else None
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
-        self.router = Router(options.routing_strategy, options.routing_buckets)
+        self.router = Router(options.routing_strategy, options.routing_buckets,
+                             EmbeddingHash.for_model(model) if options.routing_strategy == "semantic_hash" else None)
         self.output = OutputProcessor(model.tokenizer, options.worker)
         self.constraints = Constraints(model.tokenizer, self.stop_token_ids, model.spec.vocab_size, model.device,
                                        options.grammar_cache_size)

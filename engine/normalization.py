@@ -3,6 +3,7 @@
 Repeated punctuation and whitespace are collapsed, and filler words and long empty prefixes at the start
 are stripped, so the model spends no tokens on them. It is a function of the text alone, applied to each
 question by itself (EngineCore.prepare), so a question gets the same prompt tokens alone or packed.
+semantic_hash (engine/routing_embedding.py) always routes on the normalised text, whatever the setting.
 
 What changes, in order (the rules are deliberately narrow: code, URLs and markdown in a prompt survive):
 - the start: a run of whitespace and sentence punctuation (`...`, `？？`, blank lines) goes, as does a rule

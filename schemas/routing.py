@@ -5,6 +5,11 @@ is Kafka's own default-partitioner arithmetic, `(murmur2(key) & 0x7fffffff) % n`
 documented key, except round_robin (a counter) and consistent_hash (a ring built from the same
 murmur2). `consumers.partitioner` applies it to a topic; `engine.schedule.routing` uses the same keys for
 the audit bucket. Lives in `schemas` because both of them may import it and nothing else is shared.
+
+semantic_hash is the one strategy not computed here: it hashes the question's vector from the model's
+embedding layer (engine/routing_embedding.py), so only a process holding the model's files can compute
+it, and it reaches the partitioner as a callable. Until issue 40 "semantic_hash" named the text hash that
+is now prefix_hash.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ import bisect
 import re
 from typing import Literal, get_args
 
-RoutingStrategy = Literal["round_robin", "length_aware", "semantic_hash", "consistent_hash"]
+RoutingStrategy = Literal["round_robin", "length_aware", "prefix_hash", "semantic_hash", "consistent_hash"]
 STRATEGIES = get_args(RoutingStrategy)
-PREFIX_CHARS = 256  # semantic_hash without a system prompt: this much of the prompt's start is the key
+PREFIX_CHARS = 256  # prefix_hash without a system prompt: this much of the prompt's start is the key
 LENGTH_BOUNDS = (512, 2048)  # length_aware classes, in prompt characters: < 512, < 2048, the rest
 VIRTUAL_NODES = 64  # points per partition on the consistent-hash ring
 
@@ -53,7 +58,7 @@ def prompt_text(question) -> str:
 
 
 def prefix_key(question) -> str:
-    """semantic_hash's key: the normalised system prompt, else the normalised start of the prompt.
+    """prefix_hash's key: the normalised system prompt, else the normalised start of the prompt.
 
     Questions that share a system prompt share a KV prefix; on one partition (one worker) a prefix
     cache can serve it once. Case and runs of whitespace do not split a group.

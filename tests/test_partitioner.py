@@ -30,8 +30,8 @@ def test_round_robin_cycles():
     assert [partitioner.partition(q(f"q{i}")) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
-def test_semantic_hash_keeps_a_system_prompt_on_one_partition():
-    partitioner = Partitioner("semantic_hash", 8)
+def test_prefix_hash_keeps_a_system_prompt_on_one_partition():
+    partitioner = Partitioner("prefix_hash", 8)
     systems = [f"You are assistant number {i}. Answer briefly." for i in range(4)]
     for system in systems:
         placed = {partitioner.partition(q(f"{system}-{i}", f"question {i}", system=system)) for i in range(50)}
@@ -50,11 +50,46 @@ def test_semantic_hash_keeps_a_system_prompt_on_one_partition():
             partitioner.partition(q("b", long_start + "Clause 2")))
 
 
-def test_semantic_hash_spreads_four_system_prompts_over_two_partitions():
+def test_prefix_hash_spreads_four_system_prompts_over_two_partitions():
     # The measurement setting (4 system prompts, 2 workers): both partitions get some.
-    partitioner = Partitioner("semantic_hash", 2)
+    partitioner = Partitioner("prefix_hash", 2)
     placed = [partitioner.partition(q("x", "hi", system=f"System prompt {i}: you are agent {i}.")) for i in range(4)]
     assert set(placed) == {0, 1}, placed
+
+
+# Where the text hash put these questions when it was called semantic_hash (HEAD 14a63d8), by partition count;
+# the refunds at 16 are issue 40's: 4 and 7, 4 and 12.
+BEFORE_THE_RENAME = {
+    2: [0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0],
+    4: [2, 2, 3, 3, 2, 1, 0, 0, 0, 3, 0, 0],
+    8: [2, 2, 3, 3, 6, 5, 4, 4, 4, 7, 4, 0],
+    16: [2, 2, 11, 11, 6, 5, 4, 12, 4, 7, 12, 8],
+    64: [34, 34, 43, 43, 22, 37, 4, 44, 52, 23, 12, 40],
+}
+
+
+def fixed_questions() -> list[QuestionEvent]:
+    return [
+        q("a", "Why is the sky blue?"), q("b", "why is the   SKY blue?"),
+        q("c", "hi", system="You are a travel agent."), q("d", "other", system="you are a  TRAVEL agent."),
+        q("e", None, messages=(Message("system", "Be terse."), Message("user", "hi"))),
+        q("f", "Summarise this contract. " * 20 + "Clause 1"),
+        q("g", "怎么退款"), q("h", "如何退款"),
+        q("i", "How do I get a refund?"), q("j", "How can I get my money back?"),
+        q("k", None, messages=(Message("user", "first"), Message("assistant", "ok"), Message("user", "second"))),
+        q("l", ""),
+    ]
+
+
+def test_prefix_hash_routes_exactly_as_the_text_hash_did_before_the_rename():
+    for partitions, expected in BEFORE_THE_RENAME.items():
+        partitioner = Partitioner("prefix_hash", partitions)
+        assert [partitioner.partition(question) for question in fixed_questions()] == expected, partitions
+
+
+def test_semantic_hash_without_the_embedding_layer_is_refused_naming_prefix_hash():
+    with pytest.raises(ValueError, match="prefix_hash"):
+        Partitioner("semantic_hash", 4)
 
 
 def test_length_aware_keeps_long_prompts_off_short_prompts_partitions():
@@ -91,7 +126,7 @@ def test_consistent_hash_keeps_a_tenant_together():
 
 
 def test_every_strategy_in_range_and_bad_input_refused():
-    for strategy in STRATEGIES:
+    for strategy in set(STRATEGIES) - {"semantic_hash"}:  # test_routing_embedding.py: semantic_hash's
         partitioner = Partitioner(strategy, {0, 1, 2})  # partitions_for() returns a set
         assert all(0 <= partitioner.partition(q(f"q{i}", "w" * (i * 37))) < 3 for i in range(200))
     with pytest.raises(ValueError, match="round_robin"):

@@ -49,7 +49,7 @@ async def test_route_places_by_strategy_dead_letters_bad_events_and_commits(kafk
     good = [question(f"q{i:02d}", SYSTEMS[i % 4], f"Question {i}?") for i in range(40)]
     invalid = question("bad-temperature", params={"temperature": -1})
     undecodable = b"this is not JSON"
-    service = RouteService(kafka, "semantic_hash", consumer_options=FAST_GROUP)
+    service = RouteService(kafka, "prefix_hash", consumer_options=FAST_GROUP)
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             await tg.start(service.run)
@@ -59,10 +59,10 @@ async def test_route_places_by_strategy_dead_letters_bad_events_and_commits(kafk
             service.stop()
 
     assert len(routed) == len(good) + 1  # each once: nothing lost, nothing doubled
-    expected = Partitioner("semantic_hash", 4)
+    expected = Partitioner("prefix_hash", 4)
     by_system = defaultdict(set)
     for record in routed:
-        assert (HEADER_ROUTE, b"semantic_hash") in record.headers
+        assert (HEADER_ROUTE, b"prefix_hash") in record.headers
         if record.value == invalid:  # the worker on its id's partition answers it with the error
             assert record.partition == expected.fallback("bad-temperature")
             continue
@@ -76,6 +76,38 @@ async def test_route_places_by_strategy_dead_letters_bad_events_and_commits(kafk
     # Everything forwarded was acked before run() returned, and the intake offsets are committed past it all.
     got = await committed(kafka.bootstrap_servers, f"{kafka.group_id}.route", kafka.intake_topic, 4)
     assert got[0] == 42
+
+
+@pytest.mark.kafka
+async def test_kev_route_runs_semantic_hash_from_the_models_files(kafka_broker, tiny_model_dir):
+    # run_route is `kev route` less its signal handling: it loads core.model_path's embedding layer itself.
+    from engine.routing_embedding import EmbeddingHash
+    from kev_async.cli.route import run_route
+    from kev_async.runtime.lifecycle import Shutdown
+    from schemas import config_from_dict
+
+    kafka = route_config(kafka_broker, 4)
+    cfg = msgspec.structs.replace(config_from_dict({"router": {"strategy": "semantic_hash"},
+                                                    "core": {"model_path": str(tiny_model_dir)}}), kafka=kafka)
+    texts = ["How do I get a refund?", "Um,  how do I get a refund???", "怎么退款", "嗯，请问怎么退款",
+             "Why is the sky blue?", "Write a poem about the sea.", "What is a hash map?", "Good morning in Spanish?"]
+    values = [question(f"s{i}", prompt=text) for i, text in enumerate(texts)]
+    shutdown = Shutdown(drain_deadline=10)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            service = await tg.start(run_route, cfg, shutdown)
+            await produce(kafka.bootstrap_servers, kafka.intake_topic, values, partition=0)
+            routed = await read_topic(kafka.bootstrap_servers, kafka.questions_topic, len(values), linger=0.3)
+            shutdown.request("test over")
+    expected = Partitioner("semantic_hash", 4, semantic=EmbeddingHash.from_model_dir(tiny_model_dir))
+    placed = {}
+    for record in routed:
+        assert (HEADER_ROUTE, b"semantic_hash") in record.headers
+        parsed = decode_question(record.value)
+        placed[parsed.prompt] = record.partition
+        assert record.partition == expected.partition(parsed)
+    assert len(placed) == len(texts) and service.counts["forwarded"] == len(texts)
+    assert placed[texts[0]] == placed[texts[1]] and placed[texts[2]] == placed[texts[3]]  # one normalised text
 
 
 @pytest.mark.kafka

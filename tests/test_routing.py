@@ -20,9 +20,21 @@ def test_length_aware_groups_by_power_of_two_length():
     assert router.bucket(q("a"), 100) == router.bucket(q("b"), 120) != router.bucket(q("c"), 300)
 
 
-def test_semantic_hash_ignores_case_and_spacing():
-    router = Router("semantic_hash", buckets=1024)
+def test_prefix_hash_ignores_case_and_spacing():
+    router = Router("prefix_hash", buckets=1024)
     assert router.bucket(q("a", "Why is the  sky blue?"), 9) == router.bucket(q("b", "why is the sky blue?"), 9)
+
+
+def test_prefix_hash_buckets_as_the_text_hash_did_before_the_rename():
+    # HEAD 14a63d8's semantic_hash at 16 buckets: issue 40's refund pairs split, 4 and 7, 4 and 12.
+    router = Router("prefix_hash", buckets=16)
+    texts = ["How do I get a refund?", "How can I get my money back?", "怎么退款", "如何退款"]
+    assert [router.bucket(q(f"q{i}", text), 9) for i, text in enumerate(texts)] == [4, 7, 4, 12]
+
+
+def test_semantic_hash_needs_the_embedding_layer():
+    with pytest.raises(ValueError, match="embedding"):
+        Router("semantic_hash", buckets=8)
 
 
 def test_consistent_hash_keeps_a_tenant_together_and_moves_few_keys_when_growing():
@@ -33,7 +45,7 @@ def test_consistent_hash_keeps_a_tenant_together_and_moves_few_keys_when_growing
 
 
 def test_every_strategy_stays_in_range_and_unknown_ones_are_refused():
-    for strategy in STRATEGIES:
+    for strategy in set(STRATEGIES) - {"semantic_hash"}:  # test_routing_embedding.py: semantic_hash's
         router = Router(strategy, buckets=8)
         assert all(0 <= router.bucket(q(f"q{i}", f"text {i}"), i * 37) < 8 for i in range(200))
     with pytest.raises(ValueError, match="round_robin"):
@@ -50,3 +62,11 @@ def test_config_maps_routing_and_default_deadline_and_shared_isolation():
     shared = EngineOptions.from_config(config_from_dict({"isolation": {"level": "shared"}}))
     assert (shared.prefix_caching, shared.prefix_scope) == (True, "tenant")
     assert not EngineOptions.from_config(config_from_dict({})).prefix_caching
+
+
+def test_config_maps_router_normalize():
+    from engine import EngineOptions
+    from schemas import config_from_dict
+
+    assert EngineOptions.from_config(config_from_dict({"router": {"normalize": True}})).normalize
+    assert not EngineOptions.from_config(config_from_dict({})).normalize
