@@ -188,7 +188,7 @@ def test_max_parallel_feeds_the_queries_that_many_at_a_time(facade):
     assert max(max(r.answer.audit.batch_sizes) for r in packed) >= 2
 
 
-def test_isolation_must_be_the_engines_and_is_named_when_not(facade):
+def test_isolation_strict_is_always_strict_and_sharing_must_be_the_engines(facade):
     with facade() as engine:
         assert engine.wait(engine.submit(["a"], isolation="strict"), timeout=60)[0].tokens >= 1
         with pytest.raises(ValueError, match="isolation.level: strict"):
@@ -199,7 +199,12 @@ def test_isolation_must_be_the_engines_and_is_named_when_not(facade):
             engine.submit(["a"], isolation="airtight")
     with facade(prefix_caching=True) as engine:
         assert engine.isolation == "shared"
-        engine.wait(engine.submit(["a"], isolation="shared"), timeout=60)
+        prompt = "A long shared question that fills more than one KV block of sixteen tokens, twice over. " * 3
+        engine.wait(engine.submit([prompt], isolation="shared"), timeout=60)
+        shared = engine.wait(engine.submit([prompt], isolation="shared"), timeout=60)[0]
+        strict = engine.wait(engine.submit([prompt], isolation="strict"), timeout=60)[0]
+        # On a sharing engine, "strict" still reads nobody's cached blocks: a salt of its own per query.
+        assert shared.answer.usage.cached_prompt_tokens > 0 and strict.answer.usage.cached_prompt_tokens == 0
     with facade(prefix_caching=True, prefix_system_only=True) as engine:
         engine.wait(engine.submit(["a"], isolation="loose"), timeout=60)  # the seed's name for it
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import os
+import secrets
 import threading
 import typing
 import uuid
 
 import anyio
 import anyio.from_thread
+import msgspec
 
 from engine import EngineOptions
 from engine import Engine as AsyncEngine
@@ -56,8 +58,10 @@ class Engine:
     def submit(self, queries, *, isolation: str | None = None, max_parallel: int | None = None, **params) -> str:
         """Queue `queries` (strings, question dicts or QuestionEvents) as one request; returns its id.
 
-        `isolation`: "strict", "system_prefix" (seed 002's "loose") or "shared", which must be this
-        engine's isolation.level (Kev decides prefix sharing per engine). `max_parallel`: at most this many
+        `isolation`: "strict" reads no other question's cached KV whatever the engine's isolation.level
+        (each query gets a cache_salt of its own, as the gateway's /v1/query does); "system_prefix" (seed
+        002's "loose") or "shared" must be this engine's isolation.level, which decides whether prefixes are
+        cached at all. `max_parallel`: at most this many
         of the request's queries in the engine at once (fed N at a time, in order); None: all. `params`
         (max_new_tokens, temperature, ...) apply to every query; keys Kev does not know go as
         intake.unknown_fields says: logged and listed in each answer's audit.ignored_fields, or refused
@@ -68,8 +72,10 @@ class Engine:
         limit = _parallel_limit(max_parallel, len(queries))
         request_id = f"kev-{uuid.uuid4().hex[:12]}"
         policy = self.options.unknown_fields
-        request = Request(request_id, tuple(_question(query, slot, request_id, policy, params)
-                                            for slot, query in enumerate(queries)))
+        questions = [_question(query, slot, request_id, policy, params) for slot, query in enumerate(queries)]
+        if isolation == "strict" and self.isolation != "strict":  # a salt of its own: nobody's blocks, none shared
+            questions = [msgspec.structs.replace(q, cache_salt=secrets.token_hex(16)) for q in questions]
+        request = Request(request_id, tuple(questions))
         request.future = self._loop.start(self._feed, request, limit)
         self._requests[request_id] = request
         return request_id
@@ -103,7 +109,7 @@ class Engine:
 
     def _check_isolation(self, isolation: str | None) -> None:
         level = SEED_LEVELS.get(isolation, isolation)
-        if level is None or level == self.isolation:
+        if level is None or level == "strict" or level == self.isolation:
             return
         if level not in ISOLATION_LEVELS:
             raise ValueError(f"isolation={isolation!r}: Kev's levels are {', '.join(map(repr, ISOLATION_LEVELS))} "
