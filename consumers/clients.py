@@ -7,14 +7,17 @@
 
 Every client gets `kafka.security`. A consumer joins no group unless given one, commits nothing by
 itself and starts at the earliest offset; a producer waits for every in-sync replica (`acks="all"`)
-and is not idempotent (the embedded Tansu refuses aiokafka's InitProducerId). Any keyword overrides
-these. A client that fails to start is closed before the error goes on; leaving the block stops it,
+and is not idempotent unless asked (`enable_idempotence=True`, or a `transactional_id`). Any keyword
+overrides these. A client that fails to start is closed before the error goes on; leaving the block stops it,
 shielded from cancellation and bounded (a dead broker must not hang a shutdown), and a failed stop
 is a warning, never the error the caller sees.
 
 Importing this module installs the fetch guard (record_guard.py), so no consumer Kev opens can be
-stopped by a record's bytes; `fetch` is `getmany` that also survives the one error aiokafka raises
-after it has already skipped past the offset (a record larger than the fetch size).
+stopped by a record's bytes and a read_committed one never sees an aborted transaction's records, and
+the InitProducerId adapter (init_producer_id.py), without which aiokafka's idempotent and
+transactional producers cannot start on the embedded Tansu. `fetch` is `getmany` that also survives
+the one error aiokafka raises after it has already skipped past the offset (a record larger than the
+fetch size).
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, RecordTooLargeError
 
-from consumers.record_guard import install
+from consumers import init_producer_id, record_guard
 from consumers.security import client_options
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.consumers.clients")
 
-install()
+record_guard.install()
+init_producer_id.install()
 
 STOP_TIMEOUT_S = 5.0
 
