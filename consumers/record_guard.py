@@ -23,6 +23,17 @@ finish is read again here, in Python, record by record:
 them; every other reader skips them with one log line; all of them commit past. A fix belongs upstream
 (aiokafka could hand such records over with their names as bytes); until then this is the one place
 that knows aiokafka's fetcher internals, and `install()` refuses an aiokafka it does not know.
+
+It also reads for `isolation_level="read_committed"` consumers what the embedded Tansu leaves to them.
+Tansu holds back every record at or past a partition's first open transaction (its last stable
+offset), but lists no aborted transactions in its fetch responses, so aiokafka, which drops exactly the
+listed ones, hands over the records of aborted transactions as if committed. For such a consumer a
+response's transactional batches are matched with their producer's next control marker in the same
+response: a commit's come through, an abort's come through empty (the fetcher moves past them), and a
+batch whose marker is not in the response is not handed over, nor is anything after it: the fetcher asks
+for it again. Tansu writes a transaction's markers before its records fall below the stable offset, so a
+whole response carries them. Once a broker lists an aborted transaction (Apache Kafka does), it is
+trusted to and this stays off for the rest of the process.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from aiokafka import codec
+from aiokafka.record.control_record import ABORT_MARKER, ControlRecord
 from aiokafka.record.default_records import DefaultRecordBatch
 from aiokafka.record.legacy_records import LegacyRecordBatch
 from aiokafka.record.util import decode_varint
@@ -41,6 +53,8 @@ _MAGIC_AT = 16
 _V2_HEADER = struct.Struct(">qiibIhiqqqhii")  # aiokafka's DefaultRecordBatch.HEADER_STRUCT
 _LEGACY_MIN = _LOG_OVERHEAD + 14  # the smallest v0 message
 _CODEC_MASK, _TIMESTAMP_TYPE_MASK = 0x07, 0x08
+_TRANSACTIONAL, _CONTROL = 0x10, 0x20  # v2 batch attributes
+_READ_COMMITTED = 1  # aiokafka's isolation level value
 _DECOMPRESS = {1: codec.gzip_decode, 2: codec.snappy_decode, 3: codec.lz4_decode, 4: codec.zstd_decode}
 _STANDIN_VALUE_BYTES = 1 << 20  # a stand-in carries at most this much of the raw bytes
 
@@ -92,41 +106,103 @@ class GuardedRecords:
 
     def __init__(self, data) -> None:
         self._buffer = memoryview(data)
-        self._pos = 0
-        self._next = self._cut()
+        self._raw = _split(self._buffer)
+        self._next = next(self._raw, None)
         self._previous = None  # the batch handed out last: the next one's offsets start past its end
+        self._handed = 0  # batches handed out
+        self._fates: list[bool] | None = None  # read_committed(): per batch, hand its records over or not
 
     def size_in_bytes(self) -> int:
         return len(self._buffer)
 
     def has_next(self) -> bool:
-        return self._next is not None
+        return self._next is not None and (self._fates is None or self._handed < len(self._fates))
 
     def next_batch(self):
         raw = self._next
-        if raw is None:
+        if not self.has_next():
             return None
-        self._next = self._cut()
+        self._next = next(self._raw, None)
         floor = self._previous.next_offset if self._previous is not None else 0
         self._previous = _batch(raw, floor)
-        return self._previous
+        keep = self._fates is None or self._fates[self._handed]
+        self._handed += 1
+        return self._previous if keep else _Aborted(self._previous)
 
-    def _cut(self) -> memoryview | None:
-        """The next whole batch; None at the end, or before a partial batch (the fetcher asks for it again)."""
-        buffer, pos = self._buffer, self._pos
-        if len(buffer) - pos < _LOG_OVERHEAD:
-            return None
+    def read_committed(self) -> None:
+        """From now on hand over only committed transactions' records, and nothing from the first batch
+        whose transaction's outcome this response does not show (see the module's docstring)."""
+        if self._handed == 0:
+            self._fates = _fates(list(_split(self._buffer)))
+
+
+def _split(buffer: memoryview) -> Iterator[memoryview]:
+    """The response's whole batches; none past a partial batch at the end (the fetcher asks for it again)."""
+    pos = 0
+    while len(buffer) - pos >= _LOG_OVERHEAD:
         length = struct.unpack_from(">i", buffer, pos + 8)[0]
         if length < _LEGACY_MIN - _LOG_OVERHEAD:
             # No batch is this short: nothing after it can be found. Hand over what is left as one broken
             # batch (it stands for its base offset), so the partition moves past it.
-            self._pos = len(buffer)
-            return buffer[pos:]
+            yield buffer[pos:]
+            return
         end = pos + _LOG_OVERHEAD + length
         if end > len(buffer):
-            return None
-        self._pos = end
-        return buffer[pos:end]
+            return
+        yield buffer[pos:end]
+        pos = end
+
+
+def _fates(raws: list[memoryview]) -> list[bool]:
+    """Per batch, up to the first whose transaction is still open as far as these batches show: whether its
+    records are handed over (False: an aborted transaction's)."""
+    fates: list[bool | None] = []
+    waiting: dict[int, list[int]] = {}  # producer id -> its transactional batches awaiting a marker
+    for index, raw in enumerate(raws):
+        producer_id, attributes = _transaction_head(raw)
+        if producer_id is None or producer_id < 0 or not attributes & _TRANSACTIONAL:
+            fates.append(True)
+        elif attributes & _CONTROL:
+            committed = _marker(raw) != ABORT_MARKER
+            for waiting_index in waiting.pop(producer_id, ()):
+                fates[waiting_index] = committed
+            fates.append(True)  # aiokafka reads the marker itself and hands none over
+        else:
+            waiting.setdefault(producer_id, []).append(index)
+            fates.append(None)
+    open_from = min((indices[0] for indices in waiting.values()), default=len(fates))
+    return [bool(fate) for fate in fates[:open_from]]
+
+
+def _transaction_head(raw: memoryview) -> tuple[int | None, int]:
+    """(producer id, attributes) of a v2 batch; (None, 0) for anything else."""
+    if len(raw) < _V2_HEADER.size or raw[_MAGIC_AT] < 2:
+        return None, 0
+    fields = _V2_HEADER.unpack_from(raw, 0)
+    return fields[9], fields[5]
+
+
+def _marker(raw: memoryview) -> ControlRecord | None:
+    """The control record of a control batch; None when it does not parse (taken as a commit)."""
+    try:
+        for record in DefaultRecordBatch(raw):
+            return ControlRecord.parse(record.key)
+    except Exception:  # noqa: BLE001 - a broken marker: its batches are handed over, as aiokafka would
+        return None
+    return None
+
+
+class _Aborted:
+    """A batch of an aborted transaction: no records, only its place (the fetcher moves past it)."""
+
+    def __init__(self, batch) -> None:
+        self._batch = batch
+
+    def __getattr__(self, name):
+        return getattr(self._batch, name)
+
+    def __iter__(self):
+        return iter(())
 
 
 def _batch(raw: memoryview, floor: int):
@@ -331,13 +407,34 @@ _KNOWN_FETCHER = "aiokafka.consumer.fetcher"
 
 
 def install() -> None:
-    """Make every aiokafka consumer in this process read its fetches through GuardedRecords (idempotent)."""
+    """Make every aiokafka consumer in this process read its fetches through GuardedRecords, and its
+    read_committed fetches without aborted transactions' records (idempotent)."""
     from aiokafka.consumer import fetcher
 
     current = getattr(fetcher, "MemoryRecords", None)
     if current is GuardedRecords:
         return
-    if current is None or not hasattr(fetcher, "PartitionRecords"):
+    if current is None or not hasattr(fetcher, "PartitionRecords") or fetcher.READ_COMMITTED != _READ_COMMITTED:
         raise RuntimeError(f"{_KNOWN_FETCHER} no longer builds MemoryRecords where Kev's fetch guard expects it: "
                            "this aiokafka is newer than consumers/record_guard.py knows; pin aiokafka or update the guard")
     fetcher.MemoryRecords = GuardedRecords
+    fetcher.PartitionRecords = _committed_only(fetcher.PartitionRecords)
+
+
+_broker_lists_aborts = False  # a fetch response listed an aborted transaction: the broker filters for itself
+
+
+def _committed_only(partition_records: type) -> type:
+    """aiokafka's PartitionRecords, asking a read_committed consumer's record set for committed records only."""
+
+    class CommittedPartitionRecords(partition_records):
+        def __init__(self, tp, records, aborted_transactions, fetch_offset, key_deserializer, value_deserializer,
+                     check_crcs, isolation_level) -> None:
+            global _broker_lists_aborts
+            _broker_lists_aborts = _broker_lists_aborts or bool(aborted_transactions)
+            if isolation_level == _READ_COMMITTED and not _broker_lists_aborts and isinstance(records, GuardedRecords):
+                records.read_committed()
+            super().__init__(tp, records, aborted_transactions, fetch_offset, key_deserializer, value_deserializer,
+                             check_crcs, isolation_level)
+
+    return CommittedPartitionRecords
