@@ -69,6 +69,9 @@ class Committer:
         async with self._lock:
             return await self._commit(self.tracker.forget(partitions))
 
+    async def assigned(self, partitions: Iterable[Partition]) -> None:
+        """Nothing to prepare for new partitions (exactly_once's Transactions starts their producers here)."""
+
     async def _commit(self, positions: dict[Partition, int]) -> dict[Partition, int]:
         self._settled_since_commit = 0
         if not positions:
@@ -86,6 +89,8 @@ class Committer:
 
 class RevocationListener(ConsumerRebalanceListener):
     """Commits the revoked partitions' finished work; `epoch` tells the fetch loop a rebalance began.
+    `committer` is a Committer, or exactly_once's Transactions (consumers/transactions.py), which also
+    starts each assigned partition's transactional producer before its first fetch.
 
     `before_commit` (the publisher's wait for its acks in flight, bounded) runs first, so an answer
     sent just before the revocation is committed with it instead of answered again by the next owner.
@@ -116,6 +121,7 @@ class RevocationListener(ConsumerRebalanceListener):
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         assigned = sorted(assigned)
         self._assigned = frozenset(Partition(tp.topic, tp.partition) for tp in assigned)
+        await self.committer.assigned(self._assigned)
         self._stable.set()
         log.info("partitions_assigned", partitions=[f"{tp.topic}:{tp.partition}" for tp in assigned])
         self.on_assigned()

@@ -26,6 +26,9 @@ committed.
 
 An answer finished while a rebalance is under way is decided in a task of its own once the new
 assignment is known, so the answers of the partitions this worker keeps are not held up behind it.
+
+With exactly_once delivery (`transactions`), what ends a question goes out in its partition's Kafka
+transaction and settles at its commit; deltas stay outside any transaction (consumers/transactions.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from consumers.messages import Inbound, Outbound, Position, new_attempt
 from consumers.records import Headers, RecordBuilder
 from consumers.reply_topics import ReplyTopics
 from consumers.sender import ACK_WAIT_S, Sender
+from consumers.transactions import Transactions
 from schemas import ANONYMOUS, AnswerDelta, AnswerEvent, KafkaConfig, Principal
 
 log = structlog.get_logger("kev.consumers.publisher")
@@ -67,6 +71,7 @@ class Publisher:
         retry_s: float | None = None,  # from a record's first send until the worker gives up (cfg.publish_retry_ms)
         avoid_s: float = 60.0,  # a reply topic the broker refused is not tried again for this long (fail fast)
         ownership=None,  # a RevocationListener: answers of partitions that moved away are left to their new owner
+        transactions: Transactions | None = None,  # exactly_once delivery
     ) -> None:
         self.cfg = cfg
         self.ledger = ledger
@@ -77,7 +82,7 @@ class Publisher:
         self._records = RecordBuilder(cfg, max_request_size - SIZE_HEADROOM)
         self._task_group = anyio.create_task_group()
         self._sender = Sender(producer, ledger, on_settled, self._task_group, ReplyTopics(avoid_s), self.counts,
-                              max_in_flight=max_in_flight, retry_s=self.retry_s)
+                              max_in_flight=max_in_flight, retry_s=self.retry_s, transactions=transactions)
 
     async def __aenter__(self) -> "Publisher":
         await self._task_group.__aenter__()
@@ -155,7 +160,7 @@ class Publisher:
         delta = msgspec.structs.replace(delta, attempt=source.attempt)
         await self._sender.send(self._records.delta(source.question.reply_topic or self.cfg.deltas_topic, delta,
                                                     source.question.request_id, str(source.principal),
-                                                    self._reply_window(source)))
+                                                    self._reply_window(source)), home=source.partition)
 
     def _reply_window(self, source: Inbound) -> float | None:
         """How long the question's replies may be retried on its reply topic: until its deadline (timeout_ms

@@ -11,6 +11,11 @@ window, is replaced by its fallback (consumers/records.py: an error answer, a de
 another topic); a reply topic the broker refuses is avoided (consumers/reply_topics.py): its next
 records go to their fallback at once. What is left raises PublishFailed, and the source of that
 record is never settled, so never committed.
+
+With exactly_once delivery (a `transactions`, consumers/transactions.py) a record that ends a question
+goes out in the open transaction of its questions partition, to partition `questions partition mod
+partitions` of its topic (a delta, outside any transaction, to the same one), and once acked its
+settlement waits for that transaction's commit; an aborted transaction's records are settled never.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from consumers.ledger import QuestionLedger
 from consumers.messages import Position
 from consumers.records import Record
 from consumers.reply_topics import ReplyTopics, UnusableReplyTopic
+from consumers.transactions import Deferred, Transaction, Transactions
 
 log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
 
@@ -50,8 +56,10 @@ class Sender:
         *,
         max_in_flight: int,
         retry_s: float,
+        transactions: Transactions | None = None,  # exactly_once: each partition's records go in its transaction
     ) -> None:
         self.producer = producer
+        self.transactions = transactions
         self.ledger = ledger
         self.on_settled = on_settled  # positions whose outcome the broker acked
         self.tasks = tasks
@@ -62,22 +70,48 @@ class Sender:
         self._unacked = 0
         self._acked = anyio.Event()
 
-    async def send(self, record: Record) -> None:
-        """Queue the record (in call order, so one question's deltas precede its answer); a task settles it."""
+    async def send(self, record: Record, *, home: int | None = None) -> None:
+        """Queue the record (in call order, so one question's deltas precede its answer); a task settles it.
+        `home`: the questions partition of a record that settles none (a delta), for exactly_once's affinity."""
         if record.reply and (unusable := self.reply_topics.unusable(record.topic)) is not None:
             record = self._fail_fast(record, unusable)
             if record is None:
                 return
         await self._slots.acquire()
-        retries = Retries(self._window(record))  # the window counts from here, the first send
-        within_s = retries.left()
         try:
-            pending = await self._try_send(record, min(within_s, REPLY_QUEUE_WAIT_S) if record.reply else within_s)
+            txn = await self._transaction(record)
         except BaseException:
             self._slots.release()
             raise
+        if txn is False:
+            self._slots.release()
+            return
+        retries = Retries(self._window(record))  # the window counts from here, the first send
+        within_s = retries.left()
+        try:
+            pending = await self._try_send(record, min(within_s, REPLY_QUEUE_WAIT_S) if record.reply else within_s,
+                                           txn, home)
+        except BaseException:
+            self._slots.release()
+            if txn is not None:
+                txn.leave()
+            raise
         self._unacked += 1
-        self.tasks.start_soon(self._settle, record, pending, retries)
+        self.tasks.start_soon(self._settle, record, pending, retries, txn, home)
+
+    async def _transaction(self, record: Record) -> Transaction | None | bool:
+        """The transaction the record goes into; None: none (at_least_once, or a record that settles
+        nothing); False: its partition is no longer this worker's, so the record is left to the new owner."""
+        if self.transactions is None or not record.settles:
+            return None
+        txn = await self.transactions.enter(record.settles[0].partition_key)
+        if txn is None:
+            if record.finishes is not None:
+                self.ledger.abandon(record.finishes)
+            log.info("answer_left_to_new_owner", kind=record.kind, question_id=record.question_id,
+                     source_partition=record.settles[0].partition, source_offset=record.settles[0].offset)
+            return False
+        return txn
 
     async def quiesce(self, timeout: float = ACK_WAIT_S) -> None:
         """Wait (bounded) until every record sent so far is acked or has failed."""
@@ -85,38 +119,62 @@ class Sender:
             while self._unacked:
                 await self._acked.wait()
 
-    async def _try_send(self, record: Record, within_s: float | None) -> asyncio.Future | Exception:
+    async def _try_send(self, record: Record, within_s: float | None, txn: Transaction | None = None,
+                        home: int | None = None) -> asyncio.Future | Exception:
         """The ack's future, or the error. send() itself can wait request_timeout_ms for a topic's
         metadata (in the publish loop, for a first send): given up after `within_s` (cancelled there,
         nothing was queued)."""
+        producer = self.producer if txn is None else txn.producer
         try:
             with anyio.fail_after(within_s):
-                return await self.producer.send(record.topic, value=record.value, key=record.key,
-                                                headers=record.headers, partition=record.partition,
-                                                timestamp_ms=record.timestamp_ms)
+                partition = record.partition
+                if partition is None and self.transactions is not None:
+                    partition = await self._affine(producer, record, home)
+                return await producer.send(record.topic, value=record.value, key=record.key,
+                                           headers=record.headers, partition=partition,
+                                           timestamp_ms=record.timestamp_ms)
         except TimeoutError:
-            if self.producer.client.cluster.partitions_for_topic(record.topic) is None:
+            if producer.client.cluster.partitions_for_topic(record.topic) is None:
                 return UnknownTopicOrPartitionError(f"no metadata for topic {record.topic[:300]!r} "
                                                     f"within {within_s:.1f}s")
             return KafkaTimeoutError(f"not queued within {within_s:.1f}s")
         except Exception as error:  # noqa: BLE001 - sorted in _deliver, like a failed ack
             return error
 
-    async def _settle(self, record: Record, pending: asyncio.Future | Exception, retries: Retries) -> None:
+    @staticmethod
+    async def _affine(producer: AIOKafkaProducer, record: Record, home: int | None) -> int | None:
+        """The record's questions partition mod its topic's partitions: one transactional writer per
+        partition (consumers/transactions.py says why)."""
+        source = record.settles[0].partition if record.settles else home
+        if source is None:
+            return None
+        return source % len(await producer.partitions_for(record.topic))
+
+    async def _settle(self, record: Record, pending: asyncio.Future | Exception, retries: Retries,
+                      txn: Transaction | None = None, home: int | None = None) -> None:
+        delivered = None
         try:
-            delivered = await self._deliver(record, pending, retries)
+            delivered = await self._deliver(record, pending, retries, txn, home)
         finally:
             self._slots.release()
             self._unacked -= 1
             self._acked.set()
             self._acked = anyio.Event()
-        if delivered is None:
-            return
-        record, metadata = delivered
+            if txn is not None:
+                if delivered is not None:  # settled when its transaction commits
+                    txn.settle_later(self._deferred(*delivered))
+                txn.leave()
+        if delivered is not None and txn is None:
+            self._settled(*delivered)
+
+    def _settled(self, record: Record, metadata) -> None:
         self.counts[record.kind] = self.counts.get(record.kind, 0) + 1  # "forwarded" appears only in kev route
         settles = list(record.settles)
         if record.finishes is not None:
             settles += self.ledger.finish(record.finishes)
+        self._done(record, metadata, settles)
+
+    def _done(self, record: Record, metadata, settles: list[Position]) -> None:
         if settles:
             self.on_settled(settles)
             source = settles[0]
@@ -124,7 +182,28 @@ class Sender:
                      offset=metadata.offset, question_id=record.question_id, source_partition=source.partition,
                      source_offset=source.offset)
 
-    async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries):
+    def _deferred(self, record: Record, metadata) -> Deferred:
+        """An acked record of a transaction: its positions done before the transaction's offsets are taken, its
+        question answered (the ledger) only once the transaction commits, forgotten if it aborts."""
+        waiting: list[Position] = []
+
+        def ready() -> None:
+            waiting[:] = self.ledger.waiting(record.finishes) if record.finishes is not None else []
+            self._done(record, metadata, [*record.settles, *waiting])
+
+        def settle() -> None:
+            self.counts[record.kind] = self.counts.get(record.kind, 0) + 1
+            if record.finishes is not None:  # redeliveries admitted since ready() settle now, into the next one
+                self._done(record, metadata, self.ledger.finish(record.finishes)[len(waiting):])
+
+        def drop() -> None:
+            if record.finishes is not None:
+                self.ledger.abandon(record.finishes)
+
+        return Deferred(ready, settle, drop)
+
+    async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries,
+                       txn: Transaction | None = None, home: int | None = None):
         """(the record acked, its metadata), or None when it was dropped; raises PublishFailed. One
         window (`retries`) for the record and what replaces it, from its first send; only a dead letter
         replacing a reply topic's record (whose window was its question's) gets one of its own."""
@@ -142,7 +221,7 @@ class Sender:
             elif following.reply != record.reply:  # a reply topic's window was the question's: the fleet's own
                 retries = Retries(self._window(following))  # topic (the dead letter) gets a window of its own
             record = following
-            pending = await self._try_send(record, None if first_of_fallback else retries.left())
+            pending = await self._try_send(record, None if first_of_fallback else retries.left(), txn, home)
 
     async def _ack(self, record: Record, pending: asyncio.Future | Exception, retries: Retries, *, bounded: bool):
         """The broker's ack. Waited for within the record's window, except for the first try of a record

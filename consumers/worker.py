@@ -12,6 +12,10 @@ An answer that cannot be published within `publish_retry_s` of its first send, o
 fleet's own topics, ends `run()` with PublishFailed (settled offsets committed first): the worker
 cannot go on, and its caller should exit non-zero.
 
+`kafka.delivery` picks how offsets are committed (logged once at start, `kafka.delivery`): after the
+answers' acks (at_least_once, consumers/committer.py), or with them in one Kafka transaction per
+questions partition (exactly_once, consumers/transactions.py; questions are then read read_committed).
+
 `healthy()` says whether the loop is consuming: it has polled within `health_window_s` (a paused
 partition is still polled).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,7 @@ from consumers.offsets import OffsetTracker
 from consumers.publish_clock import PublishClock
 from consumers.publisher import Publisher
 from consumers.topics import ensure_topics
+from consumers.transactions import Transactions, choose_delivery
 from schemas import KafkaConfig
 
 if sys.version_info < (3, 11):
@@ -76,6 +82,11 @@ class KafkaStatistics:
     abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
     clock_skew_ms: float = 0.0  # the latest apparent skew of a producer's clock at a partition's head (publish_clock.py)
     untrusted_timestamps: int = 0  # fresh questions whose stamp was older than their timeout: timed from arrival
+    delivery: str = "at_least_once"  # as chosen at start (kafka.delivery)
+    transactions: int = 0  # exactly_once: transactions committed
+    transactions_aborted: int = 0
+    transaction_seconds: float = 0.0  # summed over committed transactions: first record to commit done
+    transaction_answers: int = 0  # summed over committed transactions: answers, error answers, dead letters
 
 
 class KafkaWorker:
@@ -120,7 +131,8 @@ class KafkaWorker:
         self.ledger = QuestionLedger(dedup_capacity)
         self.consumer: AIOKafkaConsumer | None = None  # built in run(): aiokafka wants a running loop
         self.producer: AIOKafkaProducer | None = None
-        self.committer: Committer | None = None
+        self.committer: Committer | Transactions | None = None
+        self.delivery = "at_least_once"  # chosen in run() (kafka.delivery)
         self.listener: RevocationListener | None = None
         self._assigned = anyio.Event()
         self._intake: Intake | None = None
@@ -152,15 +164,27 @@ class KafkaWorker:
         try:
             if self.create_topics:
                 await ensure_topics(cfg)
+            self.delivery, why = await choose_delivery(cfg)
+            log.info("kafka.delivery", mode=self.delivery, why=why)
+            exactly_once = self.delivery == "exactly_once"
             # A first try need not outlast the whole retry budget (aiokafka's default is 40 s).
-            async with open_producer(cfg, stop_timeout_s=self.shutdown_timeout,
-                                     **{"request_timeout_ms": min(40_000, cfg.publish_retry_ms),
-                                        **self.producer_options}) as self.producer, \
-                    open_consumer(cfg, stop_timeout_s=self.shutdown_timeout, group_id=cfg.group_id,
-                                  **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS,
-                                     **self.consumer_options}) as self.consumer:
-                self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
-                                           every=cfg.commit_every, debounce_s=self.commit_debounce_s)
+            producer_options = {"request_timeout_ms": min(40_000, cfg.publish_retry_ms), **self.producer_options}
+            async with AsyncExitStack() as clients:
+                self.producer = await clients.enter_async_context(
+                    open_producer(cfg, stop_timeout_s=self.shutdown_timeout, **producer_options))
+                self.consumer = await clients.enter_async_context(open_consumer(
+                    cfg, stop_timeout_s=self.shutdown_timeout, group_id=cfg.group_id,
+                    # a question a transactional producer aborted is never answered
+                    **{"fetch_max_wait_ms": cfg.fetch_max_wait_ms, **GROUP_TIMEOUTS,
+                       "isolation_level": "read_committed" if exactly_once else "read_uncommitted",
+                       **self.consumer_options}))
+                if exactly_once:
+                    self.committer = await clients.enter_async_context(Transactions(
+                        cfg, self.tracker, interval_s=cfg.transaction_ms / 1000, every=cfg.commit_every,
+                        window_s=self.publish_retry_s, producer_overrides=producer_options))
+                else:
+                    self.committer = Committer(self.consumer, self.tracker, interval_s=cfg.commit_interval_ms / 1000,
+                                               every=cfg.commit_every, debounce_s=self.commit_debounce_s)
                 self.listener = RevocationListener(self.committer, on_assigned=self._assigned.set)
                 self.consumer.subscribe([cfg.questions_topic], listener=self.listener)
                 log.info("kafka_io_started", bootstrap=cfg.bootstrap_servers, group=cfg.group_id,
@@ -188,21 +212,26 @@ class KafkaWorker:
             ("records", "questions", "duplicates", "pauses", "resumes"), 0)
         published = self._publisher.counts if self._publisher else dict.fromkeys(
             ("answers", "error_answers", "deltas", "dead_letters", "abandoned"), 0)
-        consumer = self.consumer
+        consumer, committer = self.consumer, self.committer
+        transactions = {}
+        if isinstance(committer, Transactions):
+            transactions = {"transactions": committer.committed, "transactions_aborted": committer.aborted,
+                            "transaction_seconds": committer.seconds, "transaction_answers": committer.answers}
         return KafkaStatistics(
             assigned=_partitions(consumer.assignment() if consumer else ()),
             paused=_partitions(consumer.paused() if consumer else ()),
-            in_flight=self.tracker.in_flight(), commits=self.committer.commits if self.committer else 0,
-            clock_skew_ms=self.clock.skew_ms, untrusted_timestamps=self.clock.untrusted,
-            **intake, **published,
+            in_flight=self.tracker.in_flight(), commits=committer.commits if committer else 0,
+            clock_skew_ms=self.clock.skew_ms, untrusted_timestamps=self.clock.untrusted, delivery=self.delivery,
+            **intake, **published, **transactions,
         )
 
     async def _serve(self, task_status: TaskStatus[None]) -> None:
         max_request_size = self.producer_options.get("max_request_size", self.cfg.max_request_size)
         async with anyio.create_task_group() as tg:
+            transactions = self.committer if isinstance(self.committer, Transactions) else None
             async with Publisher(self.producer, self.cfg, self.ledger, self._settled, max_request_size=max_request_size,
                                  retry_s=self.publish_retry_s, avoid_s=self.reply_avoid_s,
-                                 ownership=self.listener) as publisher:
+                                 ownership=self.listener, transactions=transactions) as publisher:
                 self._publisher = publisher
                 self.listener.before_commit = publisher.quiesce  # acks in flight are committed on revocation
                 self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,

@@ -235,6 +235,13 @@ class KafkaConfig(_Section):
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
     commit_every: Positive = 100
+    # at_least_once: offsets committed after the answers' acks (a worker that dies may answer a question twice)
+    # | exactly_once: each partition's answers, error answers, dead letters and offsets in one Kafka transaction
+    # (read_committed readers see each answer once) | auto: exactly_once where a start-up probe finds the broker
+    # runs transactions, else at_least_once; the choice is logged (kafka.delivery). docs/reliability.md
+    delivery: Literal["auto", "at_least_once", "exactly_once"] = "at_least_once"
+    # exactly_once: a transaction commits this long after its first record, or after commit_every records
+    transaction_ms: Annotated[int, Meta(ge=1, le=60_000)] = 100
     # How long a worker keeps re-sending an answer through transient broker failures before it exits
     # non-zero (to be restarted); nothing is committed before its answer is acked.
     publish_retry_ms: Positive = 60_000

@@ -24,7 +24,7 @@ from typing import Any, get_args
 import anyio
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
 from kev_async.observe.speculative_metrics import speculative_counts, speculative_families
@@ -250,6 +250,13 @@ class _LiveCollector:
         published = CounterMetricFamily("kev_kafka_published", "Records acked by the broker, by kind "
                                         "(error_answers include invalid questions the engine never saw).",
                                         labels=["kind"])
+        transactions = CounterMetricFamily("kev_kafka_transactions", "exactly_once delivery: Kafka transactions "
+                                           "ended, by outcome (committed, aborted).", labels=["outcome"])
+        transaction_seconds = SummaryMetricFamily("kev_kafka_transaction_seconds", "Committed transactions: from "
+                                                  "the first record to the commit done (the longest a read_committed "
+                                                  "reader waits for an answer that is already sent).")
+        transaction_answers = SummaryMetricFamily("kev_kafka_transaction_answers", "Committed transactions: the "
+                                                  "answers, error answers and dead letters each carried.")
         if self.kafka is not None:
             stats = self.kafka.statistics()
             in_flight.add_metric([], stats.in_flight)
@@ -264,7 +271,12 @@ class _LiveCollector:
             untrusted.add_metric([], stats.untrusted_timestamps)
             for kind in ("answers", "error_answers", "deltas", "dead_letters"):
                 published.add_metric([kind], getattr(stats, kind))
-        yield from (in_flight, assigned, paused, lag, records, duplicates, commits, skew, untrusted, published)
+            transactions.add_metric(["committed"], stats.transactions)
+            transactions.add_metric(["aborted"], stats.transactions_aborted)
+            transaction_seconds.add_metric([], stats.transactions, stats.transaction_seconds)
+            transaction_answers.add_metric([], stats.transactions, stats.transaction_answers)
+        yield from (in_flight, assigned, paused, lag, records, duplicates, commits, skew, untrusted, published,
+                    transactions, transaction_seconds, transaction_answers)
 
     async def sample_lag(self) -> None:
         """Lag per assigned partition: aiokafka's highwater (from the last fetch response) minus position.

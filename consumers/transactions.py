@@ -1,0 +1,379 @@
+"""Exactly-once delivery: a partition's answers and the offsets of the questions they answer, in one
+Kafka transaction.
+
+With `kafka.delivery: exactly_once` every questions partition a worker owns has a transactional
+producer of its own, `transactional_id` = "<group>/<topic>/<partition>". Starting it (InitProducerId)
+bumps that id's epoch: the partition's previous owner, dead or paused past its session, is fenced,
+and its open transaction aborted (KIP-98; aiokafka 0.14's `send_offsets_to_transaction` sends
+TxnOffsetCommit v0, without the group's generation, so KIP-447's fencing is not available).
+
+Everything that ends a question of the partition (its answer, an error answer, a dead letter) goes
+out in the partition's open transaction, and its settlement (the ledger, the offset tracker, the
+`published` line) waits for the commit. A transaction is committed `kafka.transaction_ms` after its
+first record, or at once after `kafka.commit_every` records: first every record in it is acked (or
+replaced by its fallback), then the partition's commit position joins it (`send_offsets_to_transaction`)
+and the transaction commits. Answers, their offsets and the group's position move together or not at
+all: a worker that dies before the commit leaves nothing a read_committed reader sees, and the
+partition's next owner answers those questions once.
+
+A rebalance commits the revoked partitions' transactions (aborts one whose records are still unacked
+after a short wait: its questions go to the new owner) and closes their producers before aiokafka
+releases the partitions. A failure to commit ends the worker (PublishFailed), as an unpublishable
+answer does: what it had not committed is answered by the next owner. A fenced producer's commit never
+succeeds (on Tansu it is not even answered), so a zombie ends there too.
+
+Records of one transaction go to partition `source partition mod partitions` of their topic (the
+publisher's affinity), so each answers partition has one transactional writer: Tansu keeps a
+transaction whose records interleave with another open one's undecided, and the partition's last
+stable offset with it, until that one ends too; with several writers that went on for seconds.
+
+`probe(cfg)` says whether the broker can run a transactional producer at all (`kafka.delivery: auto`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from consumers.clients import producer_options, quietly
+from consumers.delivery import PublishFailed, short_error
+from consumers.messages import Partition
+from consumers.offsets import OffsetTracker
+from schemas import KafkaConfig
+
+log = structlog.get_logger("kev.consumers.transactions")
+
+REVOKE_WAIT_S = 1.0  # on revocation, how long unacked records may hold the commit before the transaction aborts
+STOP_TIMEOUT_S = 5.0
+
+
+def transactional_id(group_id: str, partition: Partition) -> str:
+    """One per questions partition of a group: whoever owns the partition next fences its previous owner."""
+    return f"{group_id}/{partition.topic}/{partition.partition}"
+
+
+@dataclass
+class Deferred:
+    """An acked record's settlement, in three parts: `ready` before its transaction's offsets are taken (its
+    source positions are done), `settle` once the transaction committed (its question answered), `drop`
+    when it aborted instead (the question is this worker's no more)."""
+
+    ready: Callable[[], None]
+    settle: Callable[[], None]
+    drop: Callable[[], None]
+
+
+@dataclass
+class Transaction:
+    """One owned partition's transactional producer and the transaction it has open."""
+
+    partition: Partition
+    producer: AIOKafkaProducer
+    began: float | None = None  # monotonic time of the open transaction's first record; None: none open
+    records: int = 0  # sent into the open transaction
+    in_play: int = 0  # sent and not yet acked or replaced
+    deferred: list[Deferred] = field(default_factory=list)
+    gone: bool = False  # revoked or failed: nothing more goes into it
+    closed: bool = False  # ended for good: a record acked from now on is settled never
+    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one commit at a time
+    beginning: anyio.Lock = field(default_factory=anyio.Lock)
+    _open: anyio.Event = field(default_factory=anyio.Event)  # set while records may enter
+    _idle: anyio.Event = field(default_factory=anyio.Event)  # set when nothing is in play
+
+    def __post_init__(self) -> None:
+        self._open.set()
+        self._idle.set()
+
+    @property
+    def tid(self) -> str:
+        return self.producer._txn_manager.transactional_id
+
+    def settle_later(self, deferred: Deferred) -> None:
+        """An acked record's settlement, for the commit; dropped at once if the transaction has ended for good."""
+        if self.closed:
+            deferred.drop()
+        else:
+            self.deferred.append(deferred)
+
+    def leave(self) -> None:
+        """A record sent into this transaction was acked, replaced or given up."""
+        self.in_play -= 1
+        if self.in_play == 0:
+            self._idle.set()
+
+    async def drained(self, timeout: float = float("inf")) -> bool:
+        with anyio.move_on_after(timeout):
+            await self._idle.wait()
+        return self._idle.is_set()
+
+
+class Transactions:
+    """Per owned questions partition, one transactional producer; commits its transaction by time and count.
+
+    It stands where the Committer stands in at_least_once (`settled`, `run`, `commit`, `commit_revoked`,
+    `assigned`, `commits`); the publisher's sender asks `enter(partition)` for the transaction a record goes
+    into and hands it the record's settlement (`Deferred`) once acked.
+    """
+
+    def __init__(self, cfg: KafkaConfig, tracker: OffsetTracker, *, interval_s: float, every: int, window_s: float,
+                 producer_overrides: Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.tracker = tracker
+        self.interval_s = interval_s
+        self.every = every
+        self.window_s = window_s  # a commit (or an InitProducerId) not done within this fails the worker
+        self.producer_overrides = dict(producer_overrides or {})
+        self.commits = 0  # transactions committed that carried offsets (the Committer's count)
+        self.committed = 0  # transactions committed
+        self.aborted = 0
+        self.seconds = 0.0  # over committed transactions: first record to commit done
+        self.answers = 0  # over committed transactions: records that ended a question
+        self._owned: dict[Partition, Transaction] = {}
+        self._failed: BaseException | None = None  # a producer that could not start: the worker cannot go on
+        self._last_commit: dict[Partition, float] = {}
+        self._wake = anyio.Event()
+
+    async def __aenter__(self) -> "Transactions":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.move_on_after(STOP_TIMEOUT_S * 2, shield=True):
+            await self._close(list(self._owned))
+
+    # -- ownership ----------------------------------------------------------------------------------------
+    async def assigned(self, partitions: Iterable[Partition]) -> None:
+        """Start a transactional producer for each newly assigned partition (fencing its previous owner)."""
+        new = [Partition(*p) for p in partitions if Partition(*p) not in self._owned]
+        async with anyio.create_task_group() as tg:
+            for partition in new:
+                tg.start_soon(self._start, partition)
+
+    async def _start(self, partition: Partition) -> None:
+        tid = transactional_id(self.cfg.group_id, partition)
+        producer = AIOKafkaProducer(**producer_options(self.cfg, **{**self.producer_overrides, "transactional_id": tid,
+                                                                    "enable_idempotence": True}))
+        try:
+            with anyio.fail_after(self.window_s):
+                await producer.start()
+        except BaseException as error:
+            with anyio.move_on_after(STOP_TIMEOUT_S, shield=True):
+                await quietly(producer.stop(), "transactional producer")
+            if isinstance(error, Exception):
+                self._failed = error
+                log.error("transaction.start_failed", transactional_id=tid, error=short_error(error))
+                return
+            raise
+        self._owned[partition] = Transaction(partition, producer)
+        log.info("transaction.ready", transactional_id=tid, producer_id=producer._txn_manager.producer_id,
+                 epoch=producer._txn_manager.producer_epoch)
+
+    async def commit_revoked(self, partitions: Iterable[Partition]) -> dict[Partition, int]:
+        """Commit each revoked partition's transaction (abort it if records are still unacked), close its
+        producer, forget its offsets; returns the positions committed."""
+        revoked = [Partition(*p) for p in partitions]
+        committed = await self._close(revoked)
+        self.tracker.forget(revoked)
+        return committed
+
+    async def _close(self, partitions: list[Partition]) -> dict[Partition, int]:
+        committed: dict[Partition, int] = {}
+
+        async def close(txn: Transaction) -> None:
+            txn.gone = True
+            if await txn.drained(REVOKE_WAIT_S):
+                committed.update(await self._commit(txn, failing=False))
+            else:
+                await self._abort(txn, "records still unacked at revocation")
+            txn.closed = True
+            await quietly(txn.producer.stop(), "transactional producer")
+
+        with anyio.move_on_after(STOP_TIMEOUT_S + self.window_s, shield=True):
+            async with anyio.create_task_group() as tg:
+                for partition in partitions:
+                    if (txn := self._owned.pop(partition, None)) is not None:
+                        tg.start_soon(close, txn)
+        return committed
+
+    # -- sending --------------------------------------------------------------------------------------------
+    async def enter(self, partition: Partition) -> Transaction | None:
+        """The partition's transaction to send one record into (begun if none is open), once it is not
+        committing; the caller calls `leave()` when the record is acked, replaced or given up. None: the
+        partition is not this worker's (revoked meanwhile): the record is left to its new owner."""
+        if self._failed is not None:
+            raise PublishFailed(f"a transactional producer could not start: {short_error(self._failed)}")
+        partition = Partition(*partition)
+        while (txn := self._owned.get(partition)) is not None and not txn.gone and not txn._open.is_set():
+            await txn._open.wait()
+        if txn is None or txn.gone:
+            return None
+        if txn.in_play == 0:
+            txn._idle = anyio.Event()
+        txn.in_play += 1  # before any wait: a commit now waits for this record
+        txn.records += 1
+        try:
+            async with txn.beginning:  # aiokafka's begin_transaction waits a moment: begin once
+                if txn.began is None:
+                    await txn.producer.begin_transaction()
+                    txn.began = time.monotonic()
+        except BaseException:
+            txn.leave()
+            raise
+        if txn.records >= self.every:
+            self._wake.set()
+        return txn
+
+    # -- the Committer's part -------------------------------------------------------------------------------
+    def settled(self, count: int = 1) -> None:
+        """Positions were settled outside any record (a redelivery of an answered question): the partition's
+        next transaction carries them."""
+
+    async def run(self) -> None:
+        """Commit each transaction `interval_s` after its first record (at once after `every` records), and
+        offsets settled without a record within `interval_s`."""
+        while True:
+            with anyio.move_on_after(self._until_due()):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            now = time.monotonic()
+            due = [txn for txn in self._owned.values() if not txn.gone and self._due(txn, now)]
+            if due:
+                async with anyio.create_task_group() as tg:
+                    for txn in due:
+                        tg.start_soon(self._commit, txn)
+
+    async def commit(self) -> dict[Partition, int]:
+        """Commit every open transaction, and settled offsets, now; returns the positions committed."""
+        committed: dict[Partition, int] = {}
+
+        async def commit(txn: Transaction) -> None:
+            committed.update(await self._commit(txn))
+
+        async with anyio.create_task_group() as tg:
+            for txn in list(self._owned.values()):
+                tg.start_soon(commit, txn)
+        return committed
+
+    def _until_due(self) -> float:
+        began = [txn.began for txn in self._owned.values() if txn.began is not None]
+        return max(0.0, min(began) + self.interval_s - time.monotonic()) if began else self.interval_s
+
+    def _due(self, txn: Transaction, now: float) -> bool:
+        if txn.began is not None:
+            return txn.records >= self.every or now - txn.began >= self.interval_s
+        return txn.partition in self.tracker.committable() and \
+            now - self._last_commit.get(txn.partition, 0.0) >= self.interval_s
+
+    async def _commit(self, txn: Transaction, *, failing: bool = True) -> dict[Partition, int]:
+        """Wait for the transaction's records, settle them, add the partition's commit position, commit.
+        A failure raises PublishFailed (`failing`) or is logged (a revocation: the partition is leaving)."""
+        async with txn.lock:
+            txn._open = anyio.Event()  # records wait for the next transaction
+            try:
+                await txn.drained()
+                return await self._end(txn)
+            except (KafkaError, TimeoutError, AssertionError) as error:
+                # aiokafka asserts on a transition its state forbids (a producer its sender gave up on)
+                await self._abort(txn, short_error(error))
+                if failing:
+                    raise PublishFailed(f"transaction {txn.tid} could not commit: {short_error(error)}") from error
+                return {}
+            finally:
+                txn._open.set()
+
+    async def _end(self, txn: Transaction) -> dict[Partition, int]:
+        for deferred in txn.deferred:
+            deferred.ready()
+        settled, began = txn.deferred, txn.began
+        positions = {p: at for p, at in self.tracker.committable().items() if p == txn.partition}
+        if began is None and not positions:
+            return {}
+        producer = txn.producer
+        with anyio.fail_after(self.window_s):
+            if began is None:
+                await producer.begin_transaction()
+            if positions:
+                await producer.send_offsets_to_transaction(
+                    {TopicPartition(*p): at for p, at in positions.items()}, self.cfg.group_id)
+            await producer.commit_transaction()
+        self._reset(txn)
+        for deferred in settled:
+            deferred.settle()
+        self.tracker.mark_committed(positions)
+        self._last_commit[txn.partition] = time.monotonic()
+        self.committed += 1
+        self.commits += bool(positions)
+        self.answers += len(settled)
+        seconds = time.monotonic() - (began or self._last_commit[txn.partition])
+        self.seconds += seconds
+        # "committed": the audit trail `kev drill` checks, as the Committer's
+        log.info("committed", positions={f"{p.topic}:{p.partition}": at for p, at in positions.items()},
+                 transactional_id=txn.tid, answers=len(settled), seconds=round(seconds, 4))
+        return positions
+
+    async def _abort(self, txn: Transaction, why: str) -> None:
+        """End the transaction without its records (best effort: a fenced producer's abort fails too)."""
+        for deferred in txn.deferred:
+            deferred.drop()
+        had = txn.began is not None
+        self._reset(txn)
+        txn.gone = txn.closed = True  # its producer is not trusted any more; the partition's next owner starts afresh
+        if had:
+            self.aborted += 1
+            log.warning("transaction.aborted", transactional_id=txn.tid, reason=why)
+            if txn.producer._txn_manager.is_fatal_error():
+                return  # aiokafka gave the producer up (fenced): the broker aborts it at the next owner's start
+            with anyio.move_on_after(min(STOP_TIMEOUT_S, self.window_s)):
+                try:
+                    await txn.producer.abort_transaction()
+                except (KafkaError, AssertionError) as error:
+                    log.warning("transaction.abort_failed", transactional_id=txn.tid, error=short_error(error))
+
+    @staticmethod
+    def _reset(txn: Transaction) -> None:
+        txn.began, txn.records, txn.deferred = None, 0, []
+
+
+class DeliveryUnavailable(RuntimeError):
+    """kafka.delivery is exactly_once, and the broker does not run transactions."""
+
+
+async def choose_delivery(cfg: KafkaConfig) -> tuple[str, str]:
+    """(at_least_once | exactly_once, why): kafka.delivery, with `auto` and `exactly_once` checked against the
+    broker (`probe`); raises DeliveryUnavailable when exactly_once is asked of a broker that cannot."""
+    if cfg.delivery == "at_least_once":
+        return "at_least_once", "configured"
+    started = time.monotonic()
+    refused = await probe(cfg)
+    took = f"{(time.monotonic() - started) * 1000:.0f} ms"
+    if refused is None:
+        return "exactly_once", f"{cfg.delivery}: the broker started a transactional producer ({took})"
+    if cfg.delivery == "exactly_once":
+        raise DeliveryUnavailable(f"kafka.delivery is exactly_once, but the broker at {cfg.bootstrap_servers} "
+                                  f"does not run transactions: {refused}")
+    return "at_least_once", f"auto: the broker does not run transactions ({refused})"
+
+
+async def probe(cfg: KafkaConfig, timeout_s: float = 10.0) -> str | None:
+    """None when the broker starts a transactional producer (InitProducerId with a transactional id, its own
+    id each time, so concurrent probes do not fence one another); else why not. Writes no record."""
+    producer = AIOKafkaProducer(**producer_options(cfg, transactional_id=f"kev-probe-{uuid.uuid4().hex[:12]}",
+                                                   enable_idempotence=True))
+    try:
+        with anyio.fail_after(timeout_s):
+            await producer.start()
+        return None
+    except TimeoutError:
+        return f"no transactional producer within {timeout_s:g}s"
+    except Exception as error:  # noqa: BLE001 - any refusal means: not here
+        return short_error(error)
+    finally:
+        with anyio.move_on_after(STOP_TIMEOUT_S, shield=True):
+            await quietly(producer.stop(), "probe producer")
