@@ -134,7 +134,9 @@ async def test_multi_runs_two_pinned_workers_restarts_a_killed_one_and_drains_on
 def test_multi_gives_up_on_a_worker_that_keeps_crashing(kafka_broker, tmp_path):
     env = kev_env(KEV_DEPLOY__MODE="multi", KEV_DEPLOY__WORKERS="1", KEV_DEPLOY__RESTART_BACKOFF_S="0.1",
                   KEV_DEPLOY__MAX_FAST_CRASHES="2")
-    parent = KevProcess(["serve", "--model", str(tmp_path / "no-such-model"), "--bootstrap-servers",
+    broken = tmp_path / "broken.gguf"  # there (so the start's check passes), but no model: every worker crashes
+    broken.write_bytes(b"not a GGUF")
+    parent = KevProcess(["serve", "--model", str(broken), "--bootstrap-servers",
                          kafka_broker.bootstrap_servers], env, tmp_path / "crash.log")
     try:
         rc = parent.wait(STARTUP_TIMEOUT)
