@@ -140,6 +140,9 @@ class Transactions:
         self._failed: BaseException | None = None  # a producer that could not start: the worker cannot go on
         self._last_commit: dict[Partition, float] = {}
         self._wake = anyio.Event()
+        # Set once the producers of the latest assignment have started: aiokafka may hand over a new partition's
+        # records before its listener returns, and a record must wait for its partition's producer.
+        self._ready = anyio.Event()
 
     async def __aenter__(self) -> "Transactions":
         return self
@@ -155,6 +158,7 @@ class Transactions:
         async with anyio.create_task_group() as tg:
             for partition in new:
                 tg.start_soon(self._start, partition)
+        self._ready.set()
 
     async def _start(self, partition: Partition) -> None:
         tid = transactional_id(self.cfg.group_id, partition)
@@ -179,6 +183,8 @@ class Transactions:
         """Commit each revoked partition's transaction (abort it if records are still unacked), close its
         producer, forget its offsets; returns the positions committed."""
         revoked = [Partition(*p) for p in partitions]
+        if self._ready.is_set():
+            self._ready = anyio.Event()  # records wait for the next assignment's producers
         committed = await self._close(revoked)
         self.tracker.forget(revoked)
         return committed
@@ -207,9 +213,12 @@ class Transactions:
         """The partition's transaction to send one record into (begun if none is open), once it is not
         committing; the caller calls `leave()` when the record is acked, replaced or given up. None: the
         partition is not this worker's (revoked meanwhile): the record is left to its new owner."""
+        partition = Partition(*partition)
+        if partition not in self._owned:
+            with anyio.move_on_after(self.window_s):
+                await self._ready.wait()
         if self._failed is not None:
             raise PublishFailed(f"a transactional producer could not start: {short_error(self._failed)}")
-        partition = Partition(*partition)
         while (txn := self._owned.get(partition)) is not None and not txn.gone and not txn._open.is_set():
             await txn._open.wait()
         if txn is None or txn.gone:
