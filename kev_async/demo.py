@@ -71,9 +71,11 @@ async def _publish(cfg: KevConfig, servers: str, questions: list[QuestionEvent])
 
 
 async def _read_answers(cfg: KevConfig, servers: str, expected: int, out) -> dict:
-    """The answers topic from its start until `expected` answers: each printed through `out`, and counted."""
+    """The answers topic from its start until `expected` answers: each printed through `out`, and counted.
+    Read read_committed, as a downstream service should: with exactly_once delivery each answer shows once."""
     summary = {"answers": 0, "errors": 0, "tokens": 0}
-    async with open_consumer(_kafka(cfg, servers), cfg.kafka.answers_topic) as consumer:
+    async with open_consumer(_kafka(cfg, servers), cfg.kafka.answers_topic,
+                             isolation_level="read_committed") as consumer:
         async for record in consumer:
             if unreadable(record):
                 continue

@@ -55,8 +55,9 @@ class QuestionPublisher:
 
     @staticmethod
     def producer_options(publish_timeout_ms: int) -> dict:
-        """A question goes out at once (no linger); a try lasts no longer than a request may wait."""
-        return {"linger_ms": 0, "request_timeout_ms": max(1000, publish_timeout_ms)}
+        """A question goes out at once (no linger); a try lasts no longer than a request may wait; idempotent,
+        so a send the broker wrote but whose ack was lost is not written again by the producer's retry."""
+        return {"linger_ms": 0, "request_timeout_ms": max(1000, publish_timeout_ms), "enable_idempotence": True}
 
     async def publish(self, question: QuestionEvent, arrived_ms: int | None = None) -> None:
         """Send (stamped `arrived_ms`, epoch ms) and wait for the broker's ack; BrokerUnavailable (503) when it

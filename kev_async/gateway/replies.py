@@ -1,14 +1,19 @@
 """This gateway instance's reply topic: one consumer reads every answer and delta sent to it and hands
 each to the request waiting for that question_id.
 
-Workers send a question's deltas and its answer to the question's `reply_topic`, keyed by question_id,
-so they share a partition and arrive in order: deltas first, the answer last. The topic is made for
-this instance at start (`kev.replies.<instance id>`) and read from its first record, so nothing sent
-before the consumer caught up is missed. An event for a question nobody waits for (its client left)
-is dropped. A question redelivered to a second worker (its first died mid-answer) streams again under
-the new worker's attempt id, from seq 0: a stream relays the deltas of the first attempt it sees, in
-seq order, and drops every other attempt's. Whether the final answer extends what was relayed is the
-stream's to check (streaming.py): two attempts' texts are never spliced.
+Workers send a question's deltas and its answer to the question's `reply_topic` on one partition (the
+question_id's, or with exactly_once delivery its questions partition's), so they arrive in order:
+deltas first, the answer last. The topic is made for this instance at start
+(`kev.replies.<instance id>`) and read from its first record, so nothing sent before the consumer
+caught up is missed. It is read read_committed: with `kafka.delivery: exactly_once` an answer shows
+once its worker's transaction commits, and never if it aborts (the worker died; the question's next
+owner answers it). The topic then has `kafka.partitions` partitions, one per questions partition,
+since each has its own transactional writer (consumers/transactions.py); one otherwise. An event for
+a question nobody waits for (its client left) is dropped. A question redelivered to a second worker
+(its first died mid-answer) streams again under the new worker's attempt id, from seq 0: a stream
+relays the deltas of the first attempt it sees, in seq order, and drops every other attempt's. Whether
+the final answer extends what was relayed is the stream's to check (streaming.py): two attempts'
+texts are never spliced.
 """
 
 from __future__ import annotations
@@ -105,8 +110,10 @@ class ReplyRouter:
 
     async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Create the reply topic, read it until cancelled; ready once the consumer has its partition."""
-        await create_topics(self.cfg, {self.topic: 1})
-        async with open_consumer(self.cfg, self.topic, fetch_max_wait_ms=FETCH_MAX_WAIT_MS) as consumer:
+        partitions = 1 if self.cfg.delivery == "at_least_once" else self.cfg.partitions
+        await create_topics(self.cfg, {self.topic: partitions})
+        async with open_consumer(self.cfg, self.topic, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+                                 isolation_level="read_committed") as consumer:
             while not consumer.assignment():
                 await fetch(consumer, timeout_ms=50)  # metadata for a topic made a moment ago
             log.info("gateway.replies_ready", topic=self.topic)
