@@ -162,6 +162,7 @@ class Sender:
             self._acked = anyio.Event()
             if txn is not None:
                 if delivered is not None:  # settled when its transaction commits
+                    txn.unverified = txn.unverified or delivered[1].offset < 0
                     txn.settle_later(self._deferred(*delivered))
                 txn.leave()
         if delivered is not None and txn is None:
@@ -200,7 +201,11 @@ class Sender:
             if record.finishes is not None:
                 self.ledger.abandon(record.finishes)
 
-        return Deferred(ready, settle, drop)
+        async def again(producer: AIOKafkaProducer) -> asyncio.Future:
+            return await producer.send(record.topic, value=record.value, key=record.key, headers=record.headers,
+                                       partition=metadata.partition, timestamp_ms=record.timestamp_ms)
+
+        return Deferred(ready, settle, drop, again)
 
     async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries,
                        txn: Transaction | None = None, home: int | None = None):

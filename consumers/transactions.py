@@ -32,9 +32,10 @@ stable offset with it, until that one ends too; with several writers that went o
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from schemas import KafkaConfig
 log = structlog.get_logger("kev.consumers.transactions")
 
 REVOKE_WAIT_S = 1.0  # on revocation, how long unacked records may hold the commit before the transaction aborts
+REDO_TRIES = 3  # a transaction whose records come back acked without an offset is sent again this often at most
 STOP_TIMEOUT_S = 5.0
 
 
@@ -69,6 +71,7 @@ class Deferred:
     ready: Callable[[], None]
     settle: Callable[[], None]
     drop: Callable[[], None]
+    again: Callable[[AIOKafkaProducer], Awaitable[asyncio.Future]]  # send it once more, to the same partition
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Transaction:
     in_play: int = 0  # sent and not yet acked or replaced
     deferred: list[Deferred] = field(default_factory=list)
     gone: bool = False  # revoked or failed: nothing more goes into it
+    unverified: bool = False  # a record was acked without an offset: it may not be in the log (see _redo)
     closed: bool = False  # ended for good: a record acked from now on is settled never
     lock: anyio.Lock = field(default_factory=anyio.Lock)  # one commit at a time
     beginning: anyio.Lock = field(default_factory=anyio.Lock)
@@ -298,6 +302,7 @@ class Transactions:
                 txn._open.set()
 
     async def _end(self, txn: Transaction) -> dict[Partition, int]:
+        await self._redo(txn)
         for deferred in txn.deferred:
             deferred.ready()
         settled, began = txn.deferred, txn.began
@@ -326,6 +331,27 @@ class Transactions:
         log.info("committed", positions={f"{p.topic}:{p.partition}": at for p, at in positions.items()},
                  transactional_id=txn.tid, answers=len(settled), seconds=round(seconds, 4))
         return positions
+
+    async def _redo(self, txn: Transaction) -> None:
+        """A record acked without an offset (the broker counted it a duplicate of one it holds) is not shown to
+        be in the log: on Tansu, after a SIGKILL of the broker and of the records' previous producer, the first
+        batch of the partition's next producer came back so and was not there. Such a transaction is aborted
+        (whatever of it is in the log, readers drop) and its records are sent again in a new one."""
+        for attempt in range(1, REDO_TRIES + 1):
+            if not txn.unverified:
+                return
+            txn.unverified = False
+            self.aborted += 1
+            log.warning("transaction.redone", transactional_id=txn.tid, records=len(txn.deferred), attempt=attempt,
+                        reason="a record was acknowledged without an offset")
+            with anyio.fail_after(self.window_s):
+                await txn.producer.abort_transaction()
+                await txn.producer.begin_transaction()
+                pending = [await deferred.again(txn.producer) for deferred in txn.deferred]
+                acks = [await ack for ack in pending]
+            txn.unverified = any(ack.offset < 0 for ack in acks)
+        if txn.unverified:
+            raise KafkaError(f"records acknowledged without an offset {REDO_TRIES} times over")
 
     async def _abort(self, txn: Transaction, why: str) -> None:
         """End the transaction without its records (best effort: a fenced producer's abort fails too)."""

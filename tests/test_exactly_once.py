@@ -49,6 +49,7 @@ from serve_fixtures import ROOT, KevProcess, kev_processes, log_events, serve_en
 from consumers import Outbound, create_topics, topic_plan
 from consumers.clients import fetch, open_consumer, open_producer
 from consumers.init_producer_id import InitProducerIdRequest
+from consumers.messages import Partition
 from consumers.record_guard import GuardedRecords
 from consumers.transactions import DeliveryUnavailable, choose_delivery
 from schemas import AnswerEvent, decode_answer
@@ -276,6 +277,24 @@ async def test_answers_error_answers_and_dead_letters_commit_with_their_offsets(
     assert all(r.partition == asked_on[decode_answer(r.value).question_id] for r in answers if r.key != b"bad")
     assert stats.delivery == "exactly_once" and stats.transactions >= 1 and stats.transactions_aborted == 0
     assert stats.transaction_answers == 8 and stats.answers == 6 and stats.error_answers == 1
+
+
+@pytest.mark.kafka
+async def test_a_record_acked_without_an_offset_is_sent_again_in_a_new_transaction(kafka_broker):
+    cfg = kafka_config(kafka_broker, delivery="exactly_once", transaction_ms=50, partitions=1)
+    async with running_worker(cfg) as worker:
+        await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q0")])
+        await committed_answers(cfg, 1)
+        # The broker's count of the producer's records runs ahead of its log, as Tansu's did after the drill's
+        # SIGKILLs: the next batch is answered DuplicateSequenceNumber (aiokafka: acked, offset -1), not written.
+        txn = worker.committer._owned[Partition(cfg.questions_topic, 0)]
+        txn.producer._txn_manager._sequence_numbers[TopicPartition(cfg.answers_topic, 0)] = 0
+        await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q1")])
+        answers = await committed_answers(cfg, 2)
+        await wait_committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, {0: 2})
+        stats = worker.statistics()
+    assert sorted(decode_answer(r.value).question_id for r in answers) == ["q0", "q1"]
+    assert stats.transactions_aborted == 1 and stats.answers == 2  # redone once, then committed
 
 
 class Labelled(StandInEngine):
