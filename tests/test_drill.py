@@ -1,6 +1,7 @@
 """The fault drill: real `kev serve` processes on the embedded broker (tiny model), one SIGKILLed, one
 added, one SIGTERMed mid-stream; then exactly one answer per question (duplicates identical), no commit
-before its answer's ack, and every gracefully stopped worker's KV pool all free."""
+before its answer's ack, and every gracefully stopped worker's KV pool all free. With exactly_once
+delivery (`kev drill --exactly-once`), the same faults and not one duplicate read read_committed."""
 
 from __future__ import annotations
 
@@ -43,6 +44,24 @@ async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
                               "worker-2": "terminated, exit 0", "worker-3": "terminated, exit 0"}
     assert sum(pool.startswith("free ") for pool in result.kv_pools.values()) == 3
     assert result.broker_restart.startswith("held:"), result.broker_restart  # SIGKILLed mid-stream, nothing lost
+    assert result.ok
+
+
+@pytest.mark.kafka
+async def test_exactly_once_drill_shows_every_question_once(tiny_model_dir, tmp_path):
+    from kev_async.drill.run import DrillOptions, run_drill
+
+    options = DrillOptions(questions=40, workers=3, partitions=6, max_new_tokens=12, spread_s=20.0,
+                           model=str(tiny_model_dir), workdir=tmp_path / "drill", exactly_once=True)
+    result = await run_drill(options, out=print)
+    print(f"\nexactly-once drill: {result.answered}/{result.questions} answered, {result.answer_records} records "
+          f"read read_committed (at_least_once would allow {result.duplicate_bound}: {result.duplicate_allowance})")
+    assert result.delivery == "exactly_once"
+    assert not result.missing and result.answer_records == result.questions == 40  # 0 duplicates, 0 missing
+    assert not result.commits_before_ack and result.commits_checked > 0 and result.final_commit_covers_all
+    assert not result.kv_leaks and result.broker_restart.startswith("held:"), result.broker_restart
+    assert result.workers == {"worker-0": "killed, exit -9", "worker-1": "terminated, exit 0",
+                              "worker-2": "terminated, exit 0", "worker-3": "terminated, exit 0"}
     assert result.ok
 
 
@@ -131,6 +150,9 @@ def test_duplicates_are_bounded_by_what_the_killed_worker_answered_past_the_comm
     result = check_run(sent, [*answers, (answer("q0", "host-2"), _Record(3200))], logs, {0: 3}, "q-topic",
                        killed={"w0": ("host-1", killed_at)})
     assert (result.duplicates, result.duplicate_bound) == (3, 2) and not result.ok
+    # Read read_committed from exactly_once workers, not even the duplicates a kill explains may show.
+    result = check_run(sent, answers, logs, {0: 3}, "q-topic", killed={"w0": ("host-1", killed_at)}, exactly_once=True)
+    assert (result.duplicates, result.duplicate_bound, result.delivery) == (2, 2, "exactly_once") and not result.ok
 
 
 def test_the_bound_explains_late_acks_at_a_revocation_and_answers_in_flight_at_the_broker_kill():

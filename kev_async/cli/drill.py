@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "answer (redelivery duplicates counted, and identical), no offset was committed before its "
                     "answer was acked, every gracefully stopped worker's KV pool is all free. Workers run "
                     "deterministic mode at temperature 0. --no-faults makes it a plain throughput run (default mode; --spread 0 --pin "
-                    "for the scaling table).")
+                    "for the scaling table). --exactly-once runs the workers with kafka.delivery exactly_once and "
+                    "reads the answers read_committed: then no duplicate at all is allowed.")
     drill.add_argument("--questions", type=int, default=400)
     drill.add_argument("--workers", type=int, default=3)
     drill.add_argument("--partitions", type=int, default=6)
@@ -32,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="where worker logs and report.json go (default .cache/drill)")
     drill.add_argument("--no-faults", action="store_true", help="no kills or stops: measure answers/s")
     drill.add_argument("--pin", action="store_true", help="pin worker i to core i mod cores (one torch thread each)")
+    drill.add_argument("--exactly-once", action="store_true",
+                       help="workers commit answers and offsets in Kafka transactions; answers read read_committed "
+                            "must show each question exactly once")
     drill.set_defaults(func=_drill)
 
 
@@ -43,12 +47,15 @@ def _drill(args: argparse.Namespace) -> int:
     configure_logging("warning")
     options = DrillOptions(questions=args.questions, workers=args.workers, partitions=args.partitions,
                            max_new_tokens=args.max_new_tokens, spread_s=args.spread, model=args.model,
-                           workdir=Path(args.workdir), faults=not args.no_faults, pin=args.pin)
+                           workdir=Path(args.workdir), faults=not args.no_faults, pin=args.pin,
+                           exactly_once=args.exactly_once)
     result = anyio.run(run_drill, options, backend="asyncio")
     (options.workdir / "report.json").write_bytes(result_json(result))
-    print(f"\n{result.answered}/{result.questions} answered, {result.answer_records} answer records "
-          f"({result.duplicates} duplicates, at most {result.duplicate_bound} explained by the faults "
-          f"{result.duplicate_allowance}; "
+    allowed = (f"0 allowed; at_least_once would allow {result.duplicate_bound}" if args.exactly_once else
+               f"at most {result.duplicate_bound} explained by the faults")
+    print(f"\ndelivery {result.delivery}{' (answers read read_committed)' if args.exactly_once else ''}: "
+          f"{result.answered}/{result.questions} answered, {result.answer_records} answer records "
+          f"({result.duplicates} duplicates, {allowed} {result.duplicate_allowance}; "
           f"{len(result.duplicates_differing)} differing), "
           f"{result.error_answers} error answers; {result.answers_per_s} answers/s over {result.seconds:.1f}s")
     print(f"commits checked: {result.commits_checked}, before their answer's ack: {len(result.commits_before_ack)}; "

@@ -17,7 +17,9 @@ workers' JSON logs (run.py runs the drill).
 - commit after ack: every "committed" line a worker logged (the committer, after the broker
   accepted the commit) covers only offsets whose question some worker had logged "published"
   (after the broker acked the answer) no later; the group's final commit covers every question;
-- no KV leak: each worker that stopped gracefully logged engine_actor.stopped with all blocks free.
+- no KV leak: each worker that stopped gracefully logged engine_actor.stopped with all blocks free;
+- with exactly_once delivery (answers read read_committed): no duplicate at all, whatever the faults;
+  the allowance is still reported, as what at_least_once would have let through.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _KILL_SLACK_MS = 500
 
 class DrillResult(msgspec.Struct, kw_only=True):
     ok: bool = False
+    delivery: str = "at_least_once"  # exactly_once: answers read read_committed, no duplicate allowed
     questions: int = 0
     answered: int = 0
     missing: list[str] = []
@@ -80,12 +83,14 @@ def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, t
               committed: dict[int, int | None], questions_topic: str,
               killed: dict[str, tuple[str, datetime]] | None = None,
               broker_killed_at: datetime | None = None,
-              layout: dict[int, dict[int, str]] | None = None) -> DrillResult:
+              layout: dict[int, dict[int, str]] | None = None, exactly_once: bool = False) -> DrillResult:
     """`answers`: (AnswerEvent, record) in arrival order; `logs`: worker -> (fate, exit code, log text);
     `killed`: SIGKILLed worker -> (its audit name, as answers carry it; when it was killed, UTC);
     `broker_killed_at`: when the broker was SIGKILLed (UTC), if it was; `layout`: partition -> offset ->
-    question id of every record on the questions topic as read back (default: the offsets in `sent`)."""
-    result = DrillResult(questions=len(sent), answer_records=len(answers))
+    question id of every record on the questions topic as read back (default: the offsets in `sent`);
+    `exactly_once`: the workers ran exactly_once delivery and `answers` were read read_committed."""
+    result = DrillResult(questions=len(sent), answer_records=len(answers),
+                         delivery="exactly_once" if exactly_once else "at_least_once")
     _check_answers(result, sent, answers)
     _check_commits(result, sent, logs, committed, questions_topic, layout)
     result.duplicate_allowance = {
@@ -98,7 +103,7 @@ def check_run(sent: dict[str, tuple[int, int]], answers: list, logs: dict[str, t
     result.workers = {name: f"{fate}, exit {code}" for name, (fate, code, _) in logs.items()}
     result.ok = (not result.missing and not result.duplicates_differing and not result.commits_before_ack
                  and result.final_commit_covers_all and not result.kv_leaks and result.commits_checked > 0
-                 and result.duplicates <= result.duplicate_bound)
+                 and result.duplicates <= (0 if exactly_once else result.duplicate_bound))
     return result
 
 

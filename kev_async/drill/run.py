@@ -8,6 +8,10 @@ and every worker that stopped gracefully left its KV pool all free.
 
 Between the two, the broker itself is SIGKILLed and restarted on its data (broker.py: durable storage,
 a local object store under the workdir); every question published before it must be answered.
+
+With `exactly_once` (`kev drill --exactly-once`) the workers run `kafka.delivery: exactly_once` and the
+answers are read read_committed: through the same faults, every question must show exactly one answer
+(0 duplicates, 0 missing), on top of every other check.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -57,6 +62,7 @@ class DrillOptions:
     route: str | None = None  # a strategy: publish to the intake topic and run `kev route`'s loop in process
     system_prompts: tuple[str, ...] = ()  # each question gets one at random (seeded); none when empty
     worker_env: dict[str, str] = field(default_factory=dict)  # extra KEV_* settings for every worker
+    exactly_once: bool = False  # kafka.delivery exactly_once, answers read read_committed: no duplicate allowed
 
 
 @dataclass
@@ -104,7 +110,7 @@ async def run_drill(options: DrillOptions, out=print) -> DrillResult:
     logs = {w.name: (w.fate, w.process.returncode, w.log()) for w in run.workers}
     result = check_run(run.sent, run.answers, logs, final, kafka.questions_topic, killed=run.killed,
                        broker_killed_at=run.broker_restart.killed_at if run.broker_restart else None,
-                       layout=layout)
+                       layout=layout, exactly_once=options.exactly_once)
     result.timeline = run.timeline
     result.broker_restart, held = restart_summary(run.broker_restart, run.answers, options.faults)
     result.ok = result.ok and held
@@ -121,7 +127,7 @@ async def _drill(run: _Run) -> None:
             await anyio.sleep(0.2)
     run.note(f"{options.workers} workers in group {run.kafka.group_id}")
     async with anyio.create_task_group() as tg:
-        await tg.start(read_answers, run.kafka, run.answers)
+        await tg.start(partial(read_answers, run.kafka, run.answers, read_committed=options.exactly_once))
         if options.route:
             await tg.start(RouteService(run.kafka, options.route).run)
         tg.start_soon(publish_over_time, run.kafka, options, run.sent, run.note)

@@ -35,9 +35,12 @@ async def publish_over_time(kafka: KafkaConfig, options, sent: dict[str, tuple[i
         note(f"published {options.questions} questions over {time.monotonic() - begin:.1f}s")
 
 
-async def read_answers(kafka: KafkaConfig, answers: list, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-    """Every answer record, (AnswerEvent, record) in arrival order, appended to `answers` until cancelled."""
-    async with open_consumer(kafka, kafka.answers_topic) as consumer:
+async def read_answers(kafka: KafkaConfig, answers: list, *, read_committed: bool = False,
+                       task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """Every answer record, (AnswerEvent, record) in arrival order, appended to `answers` until cancelled;
+    `read_committed`: only those of committed transactions (exactly_once delivery)."""
+    isolation = "read_committed" if read_committed else "read_uncommitted"
+    async with open_consumer(kafka, kafka.answers_topic, isolation_level=isolation) as consumer:
         task_status.started()
         while True:
             batch = await fetch(consumer, timeout_ms=100)

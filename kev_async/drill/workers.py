@@ -124,7 +124,9 @@ def _worker_env(options, kafka: KafkaConfig) -> dict[str, str]:
         "KEV_ISOLATION__DETERMINISTIC": "true" if options.faults else "false",
         "KEV_KAFKA__GROUP_ID": kafka.group_id, "KEV_KAFKA__PARTITIONS": str(kafka.partitions),
         "KEV_KAFKA__COMMIT_INTERVAL_MS": str(kafka.commit_interval_ms), "KEV_KAFKA_SESSION_TIMEOUT_MS": "3000",
-        "KEV_KV_CACHE__NUM_BLOCKS": "512", **options.worker_env,
+        "KEV_KV_CACHE__NUM_BLOCKS": "512",
+        "KEV_KAFKA__DELIVERY": "exactly_once" if options.exactly_once else "at_least_once",
+        **options.worker_env,
     })
     return env
 
