@@ -46,7 +46,7 @@ _FIELD = re.compile(r"^Object (?P<what>missing required|contains unknown) field 
 def explain(error: msgspec.ValidationError, data: Any, root: type) -> tuple[str, str]:
     """Return (dotted key path, reason) for a ValidationError raised converting `data` to `root`."""
     match = _AT.match(str(error))
-    message, keys = match["msg"], _parse_path(match["path"] or "")
+    message, keys = match["msg"], _named_entries(_parse_path(match["path"] or ""), data, root)
     field = _FIELD.match(message)
     if field:
         return _field_problem(field, keys, root)
@@ -149,6 +149,29 @@ def _parse_path(path: str) -> list[str | int]:
     return [name or (int(index) if index.isdigit() else "[value]") for name, index in _PATH_PART.findall(path)]
 
 
+def _named_entries(keys: list[str | int], data: Any, root: type) -> list[str | int]:
+    """msgspec names any value of a mapping `[...]`; where the values are structs, put back the key of the
+    first entry that does not convert (`tenants.acme.weight`, not `tenants[value].weight`)."""
+    named: list[str | int] = []
+    for key in keys:
+        if key == "[value]":
+            mapping = _lookup(data, named)
+            values = getattr(_resolve(mi.type_info(root), named), "value_type", None)
+            cls = getattr(_unwrap_optional(values), "cls", None)
+            if isinstance(mapping, dict) and cls is not None:
+                key = next((k for k, v in mapping.items() if not _converts(v, cls)), key)
+        named.append(key)
+    return named
+
+
+def _converts(value: Any, cls: type) -> bool:
+    try:
+        msgspec.convert(value, cls)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def _lookup(data: Any, keys: list[str | int]) -> Any:
     for key in keys:
         try:
@@ -164,6 +187,8 @@ def _resolve(info: Any, keys: list[str | int]) -> Any:
         info = _unwrap_optional(info)
         if isinstance(key, int):
             info = getattr(info, "item_type", None)
+        elif isinstance(info, mi.DictType):
+            info = info.value_type
         else:
             info = struct_fields(info).get(key)
         if info is None:
