@@ -35,8 +35,8 @@ from engine.routing_embedding import EmbeddingHash
 from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
-from engine.schedule.sequence import Sequence, Status
-from engine.speculate.setup import build_drafter, measure_costs
+from engine.sequence import Sequence, Status
+from engine.speculate.setup import build_speculation
 from engine.system_prefix import SystemPrefix
 from schemas import AnswerEvent, QuestionEvent
 
@@ -67,10 +67,8 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
         self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position, self.runner.attention),
-                                   drafter=build_drafter(options, model, weights, num_blocks * self.block_size,
-                                                         self.block_size),
+                                   speculation=build_speculation(options, model, weights, self.runner, self.pool),
                                    adapter_slot=self._adapter_slot)
-        measure_costs(options, self.scheduler, self.runner, self.pool, model.device)  # before any question
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
         self._awaiting_adapter: dict[str, QuestionEvent] = {}  # waiting for a resident adapter slot, by id
@@ -288,7 +286,7 @@ class EngineCore:
             record = self.draft_endings.ended(seq)
             if record:
                 log.info("question.verified", **record)
-        if finished and not self.has_work and self.scheduler.drafter is not None:
+        if finished and not self.has_work and self.scheduler.speculation is not None:
             log.info("engine.drained", forward=self.num_forwards)
 
 
@@ -322,7 +320,6 @@ def _limits(options: EngineOptions, model_positions: int, attention=None) -> Sch
         # Fixed tiles and row-wise attention read every row's keys alike whatever the chunk: cut anywhere.
         prompt_chunk=0 if options.deterministic or isinstance(attention, RowwiseAttention)
         else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
-        speculative_policy=options.speculative_policy,
     )
 
 

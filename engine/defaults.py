@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from engine.schedule.sequence import SamplingParams
+from engine.sequence import SamplingParams
 from schemas import DEFAULT_CONFIG, SamplingConfig
 
 _SAMPLING = DEFAULT_CONFIG.sampling

@@ -11,7 +11,7 @@ from engine.audit import violations
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.schedule.scheduler import Scheduler, SchedulerLimits
-from engine.schedule.sequence import SamplingParams, Sequence, Status
+from engine.sequence import SamplingParams, Sequence, Status
 
 TOKEN, EOS = 7, 2
 SYSTEM = list(range(1000, 1010))  # 10 tokens: two full blocks of 4 and half a third

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from engine.kv.block_pool import BlockPool
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits, StepPlan
-from engine.schedule.sequence import SamplingParams, Sequence, Status
+from engine.sequence import SamplingParams, Sequence, Status
 
 TOKEN, EOS = 7, 2
 

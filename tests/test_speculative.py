@@ -69,10 +69,11 @@ def test_a_draft_is_what_followed_an_earlier_copy_of_the_tail(tokens, k, lo, ext
 def test_rejected_drafts_roll_back_positions_and_blocks():
     from engine.kv.block_pool import BlockPool
     from engine.schedule.scheduler import Scheduler
-    from engine.schedule.sequence import SamplingParams, Sequence
+    from engine.sequence import SamplingParams, Sequence
+    from engine.speculate.speculation import Speculation
 
     pool = BlockPool(8, 4)
-    sched = Scheduler(pool, drafter=NgramDrafter(4, 1, 3))
+    sched = Scheduler(pool, speculation=Speculation(NgramDrafter(4, 1, 3)))
     seq = Sequence("q", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_new_tokens=10, temperature=0.0))
     sched.add(seq)
     sched.update(sched.schedule(), [2])  # the prefill draws 2: ... 3, 1, 2 repeats the start
@@ -92,10 +93,11 @@ def test_rejected_drafts_roll_back_positions_and_blocks():
 def test_accepted_drafts_advance_and_stop_exactly_at_the_budget():
     from engine.kv.block_pool import BlockPool
     from engine.schedule.scheduler import Scheduler
-    from engine.schedule.sequence import SamplingParams, Sequence, Status
+    from engine.sequence import SamplingParams, Sequence, Status
+    from engine.speculate.speculation import Speculation
 
     pool = BlockPool(8, 4)
-    sched = Scheduler(pool, drafter=NgramDrafter(4, 1, 3))
+    sched = Scheduler(pool, speculation=Speculation(NgramDrafter(4, 1, 3)))
     seq = Sequence("q", [5, 6, 7, 8, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.0))
     sched.add(seq)
     sched.update(sched.schedule(), [7])  # ... 5, 6, 7: drafts 8, 5, 6 would follow
@@ -139,7 +141,7 @@ def test_greedy_answers_are_unchanged_with_fewer_forwards(tiny_models, harness, 
     off, on = run_both(harness, tiny_models[KIND].kev, questions)
     assert accepted(on) > 0
     assert len(on.plans) < len(off.plans)
-    assert on.core.scheduler.num_accepted_draft_tokens == accepted(on)
+    assert on.core.scheduler.speculation.num_accepted_draft_tokens == accepted(on)
     prompt_len = {q.qid: len(q.prompt_ids) for q in questions}
     verifying = [plan for plan in on.plans  # a forward with a drafting chunk: the last token + drafts
                  if any(length > 1 and start >= prompt_len[qid] for qid, start, length, _ in plan)]
@@ -213,7 +215,7 @@ def test_policy_auto_stops_verifying_drafts_that_keep_failing(tiny_models, harne
     runs = {}
     for policy in ("always", "auto"):
         core = _core(tiny_models[KIND].kev, harness.tiny_options(block_size=4, **{**SPEC, "speculative_policy": policy}))
-        core.scheduler.drafter = ScriptedDrafter(len(q.prompt_ids), answer, [0], 3)  # always wrong at once
+        core.scheduler.speculation.drafter = ScriptedDrafter(len(q.prompt_ids), answer, [0], 3)  # always wrong at once
         runs[policy] = harness.run_core(tiny_models[KIND].kev, [q], core=core).answers["q"]
     assert runs["auto"].token_ids == runs["always"].token_ids == tuple(answer)
     assert runs["always"].audit.drafted_tokens > 2 * runs["auto"].audit.drafted_tokens > 0
@@ -420,7 +422,7 @@ def test_rejected_drafts_leave_no_kv_a_later_step_reads(tiny_models, harness, re
     answer = list(plain.answers["q"].token_ids)
     options = harness.tiny_options(block_size=4, **SPEC)
     core = _core(tiny_models[KIND].kev, options)
-    core.scheduler.drafter = ScriptedDrafter(len(q.prompt_ids), answer, pattern, k)
+    core.scheduler.speculation.drafter = ScriptedDrafter(len(q.prompt_ids), answer, pattern, k)
     on = harness.run_core(tiny_models[KIND].kev, [q], core=core)
     assert list(on.answers["q"].token_ids) == answer
     for j in range(len(answer)):

@@ -45,20 +45,21 @@ def test_greedy_answers_unchanged_with_a_draft_model(tiny_models, harness, twin_
     twin = harness.run_core(model, questions, harness.tiny_options(draft_model=twin_dir, **ALWAYS))
     _same(off, twin, questions)
     # The twin drafts what the target draws: nearly every draft kept, far fewer forwards.
-    assert _accepted(twin) >= 0.9 * twin.core.scheduler.num_draft_tokens > 0
+    assert _accepted(twin) >= 0.9 * twin.core.scheduler.speculation.num_draft_tokens > 0
     assert len(twin.plans) < len(off.plans)
     skipped = harness.run_core(model, questions, harness.tiny_options(draft_layers=1, **ALWAYS))
     _same(off, skipped, questions)
-    assert skipped.core.scheduler.num_draft_tokens > 0
+    assert skipped.core.scheduler.speculation.num_draft_tokens > 0
     for outcome in (twin, skipped):  # every question ended: the drafter holds nothing
-        assert outcome.core.scheduler.drafter.held == {} and outcome.core.scheduler.drafter.num_used_blocks == 0
+        drafter = outcome.core.scheduler.speculation.drafter
+        assert drafter.held == {} and drafter.num_used_blocks == 0
 
 
 def test_a_layer_view_shares_the_targets_weights(tiny_models, harness):
     from engine import EngineCore
 
     core = EngineCore(tiny_models[KIND].kev, harness.tiny_options(draft_layers=1, **ALWAYS))
-    drafter = core.scheduler.drafter
+    drafter = core.scheduler.speculation.drafter
     assert drafter.weights.layers[0] is core.runner.weights.layers[0]
     assert drafter.weights.lm_head is core.runner.weights.lm_head and len(drafter.weights.layers) == 1
     assert drafter.kv.k.shape[0] == 1  # a cache for its one layer only
@@ -161,7 +162,7 @@ def test_auto_times_the_drafter_too_and_keeps_answers(tiny_models, harness, twin
     auto = harness.run_core(model, questions, harness.tiny_options(speculative="draft_model", draft_model=twin_dir))
     _same(off, auto, questions)
     (table,) = [r for r in logs if r["event"] == "speculative.cost_model"]
-    assert table["drafter"]["rows"][0] == 1 and auto.core.scheduler.drafter.costs is not None
+    assert table["drafter"]["rows"][0] == 1 and auto.core.scheduler.speculation.drafter.costs is not None
 
 
 def test_config_keys_reach_the_engine():

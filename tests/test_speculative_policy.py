@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.schedule.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams, Sequence
 from engine.speculate.acceptance import PRIOR_RATE, KindRates, Odds, odds, record
 from engine.speculate.cost import MIN_DRAFT_PROB, StepCosts, draft_lengths
 
@@ -130,14 +130,14 @@ def test_auto_measures_its_table_and_keeps_every_greedy_answer(tiny_models, harn
         assert auto.tokens(q.qid) == off.tokens(q.qid), q.qid
     (table,) = [r for r in logs if r["event"] == "speculative.cost_model"]
     assert table["forward"]["rows"][:3] == [1, 2, 4] and all(ms > 0 for ms in table["forward"]["ms"])
-    costs = auto.core.scheduler.step_costs
+    costs = auto.core.scheduler.speculation.costs
     assert costs is not None
     # Whether a draft pays is the measured table's call, and a busy host can price `count` rows plus
     # drafts above what they would gain. Where the table says a fresh question's odds (the prior) pay
     # at this many rows, auto must draft.
     prior = [Odds(PRIOR_RATE, PRIOR_RATE, auto.core.options.max_draft_tokens)] * count
     if accepted(on) > 0 and any(draft_lengths(costs, count, prior)):
-        assert auto.core.scheduler.num_draft_tokens > 0
+        assert auto.core.scheduler.speculation.num_draft_tokens > 0
 
 
 def test_auto_follows_the_table_it_is_given(tiny_models, harness):
@@ -148,11 +148,11 @@ def test_auto_follows_the_table_it_is_given(tiny_models, harness):
     outcomes = {}
     for name, table in (("compute", COMPUTE_BOUND), ("memory", MEMORY_BOUND)):
         core = EngineCore(tiny_models[KIND].kev, harness.tiny_options(speculative="ngram", speculative_policy="auto"))
-        core.scheduler.step_costs = table
+        core.scheduler.speculation.costs = table
         outcomes[name] = harness.run_core(tiny_models[KIND].kev, questions, core=core)
-    assert outcomes["compute"].core.scheduler.num_draft_tokens == 0
+    assert outcomes["compute"].core.scheduler.speculation.num_draft_tokens == 0
     assert not _drafting_plans(outcomes["compute"], questions)
-    assert outcomes["memory"].core.scheduler.num_accepted_draft_tokens > 0
+    assert outcomes["memory"].core.scheduler.speculation.num_accepted_draft_tokens > 0
     assert len(outcomes["memory"].plans) < len(outcomes["compute"].plans)
     for q in questions:
         assert outcomes["memory"].tokens(q.qid) == outcomes["compute"].tokens(q.qid), q.qid
@@ -161,7 +161,7 @@ def test_auto_follows_the_table_it_is_given(tiny_models, harness):
 def test_off_and_always_measure_nothing(tiny_models, harness, logs):
     for options in (dict(speculative="ngram", speculative_policy="always"), dict(speculative="off")):
         core = harness.run_core(tiny_models[KIND].kev, _looping(harness, 1, seed=3), harness.tiny_options(**options)).core
-        assert core.scheduler.step_costs is None
+        assert core.scheduler.speculation is None or core.scheduler.speculation.costs is None
     assert not [r for r in logs if r["event"] == "speculative.cost_model"]
 
 

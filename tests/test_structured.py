@@ -224,7 +224,7 @@ def test_the_sampler_masks_its_own_row_only(params):
     from engine.constrain.masks import RowMasks
     from engine.constrain.state import bias_row
     from engine.model.sampler import Sampler, SampleRow
-    from engine.schedule.sequence import SamplingParams
+    from engine.sequence import SamplingParams
 
     torch.manual_seed(0)
     logits = torch.randn(3, 1000) * 4

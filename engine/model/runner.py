@@ -12,7 +12,7 @@ from engine.constrain.masks import RowMasks
 from engine.kernels.attention import Segment
 from engine.kv.cache import KVCache
 from engine.model.sampler import Sampler, SampleRow
-from engine.schedule.step_plan import Chunk, StepPlan
+from engine.step_plan import Chunk, StepPlan
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.constrain.masks import RowMasks
-from engine.schedule.sequence import SamplingParams
+from engine.sequence import SamplingParams
 
 MASK64 = (1 << 64) - 1
 

@@ -8,7 +8,7 @@ import msgspec
 
 from engine.intake import QuestionRejected
 from engine.output.detokenizer import TextStream
-from engine.schedule.sequence import Sequence, Status
+from engine.sequence import Sequence, Status
 from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.output.answers import finished_answer
 from engine.output.detokenizer import TextStream
-from engine.schedule.sequence import Sequence, Status
+from engine.sequence import Sequence, Status
 from schemas import AnswerEvent, QuestionEvent
 
 

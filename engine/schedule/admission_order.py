@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from engine.schedule.sequence import Sequence, Status
+from engine.sequence import Sequence, Status
 from schemas import SchedulingPolicy
 
 ORDER: dict[SchedulingPolicy, Callable[[Sequence], tuple]] = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import DEFAULT_CONFIG, OverflowPolicy, SchedulingPolicy, SpeculativePolicy
+from schemas import DEFAULT_CONFIG, OverflowPolicy, SchedulingPolicy
 
 _CFG = DEFAULT_CONFIG
 
@@ -24,7 +24,6 @@ class SchedulerLimits:
     overflow: OverflowPolicy = _CFG.router.overflow_policy
     length_aware: bool = _CFG.scheduler.length_aware_grouping  # admit questions of similar prompt length together
     early_stop: bool = _CFG.scheduler.early_stop  # evict finished questions at once (False: when the batch drains)
-    speculative_policy: SpeculativePolicy = _CFG.speculative.policy  # auto: draft only in small steps
     # Deterministic mode: a chunk never mixes prompt and generated tokens, and generated tokens go one
     # per chunk (also when recomputed after a preemption), so each token's row always takes one path.
     split_roles: bool = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_cache import chain_hashes
-from engine.schedule.sequence import Sequence
+from engine.sequence import Sequence
 
 
 def cached_blocks(pool: BlockPool, seq: Sequence) -> list[int]:

@@ -20,10 +20,8 @@ from engine.schedule.prefix_chain import (
     shared_chain,
 )
 from engine.schedule.prompt_grid import on_grid
-from engine.schedule.sequence import Sequence, Status
-from engine.schedule.step_plan import Chunk, StepPlan
-from engine.schedule.speculation import Speculation
-from engine.speculate.acceptance import KindRates
+from engine.sequence import Sequence, Status
+from engine.step_plan import Chunk, StepPlan
 
 
 class Overloaded(Exception):
@@ -34,12 +32,12 @@ class PromptTooLong(ValueError):
     """The prompt alone does not fit one question's context or KV capacity."""
 
 
-class Scheduler(Speculation):
+class Scheduler:
     def __init__(self, pool: BlockPool, limits: SchedulerLimits = SchedulerLimits(),
-                 clock: Callable[[], float] = time.monotonic, drafter=None,
+                 clock: Callable[[], float] = time.monotonic, speculation=None,
                  adapter_slot: Callable[[Sequence], bool] | None = None) -> None:
         self.pool = pool
-        self.drafter = drafter  # None: no speculative decoding (engine/speculate/: NgramDrafter, DraftModel)
+        self.speculation = speculation  # None: no speculative decoding (engine/speculate/speculation.py)
         # Offered a question that waits for a resident adapter slot when its turn to be admitted comes: True
         # once it holds its adapter; False while every slot is in use (or when it ended the question).
         self.adapter_slot = adapter_slot
@@ -53,13 +51,7 @@ class Scheduler(Speculation):
         self.num_preemptions = 0
         self.prompt_tokens_admitted = 0  # over first admissions: the prefix cache's hit rate
         self.cached_tokens_admitted = 0
-        self.num_draft_tokens = 0  # verified in forwards
-        self.num_accepted_draft_tokens = 0  # of those, emitted
-        self.num_draft_verifications = 0  # question-forwards that verified a draft
         self.num_question_steps = 0  # question-forwards that emitted tokens (1 each, or 1 + kept drafts)
-        self.step_costs = None  # policy auto: engine.speculate.cost.StepCosts, measured by the engine at start
-        self.draft_kinds = KindRates()  # policy auto: first draft tokens kept, per kind of draft
-        self._step_drafts: dict[str, tuple[int, ...]] = {}  # this step's drafts, by question id
 
     # -- intake -------------------------------------------------------------------------------
     @property
@@ -82,7 +74,7 @@ class Scheduler(Speculation):
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} questions)")
         seq.status = Status.WAITING
         # The audit digests the tokens of a question that may draft: its drafts' sources (engine/audit.py).
-        seq.speculative = self.drafter is not None and seq.constraint is None
+        seq.speculative = self.speculation is not None and seq.constraint is None
         self.waiting.append(seq)
 
     def cancel(self, question_id: str) -> bool:
@@ -115,7 +107,8 @@ class Scheduler(Speculation):
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
         plan = StepPlan()
-        self._plan_drafts()
+        if self.speculation is not None:
+            self.speculation.plan(self.running, self.limits.max_tokens_per_step, self.max_tokens_per_question)
         budget = self._schedule_running(plan, self.limits.max_tokens_per_step)
         if not plan.preempted and not self.lingering:
             self._admit(plan, budget)
@@ -131,7 +124,9 @@ class Scheduler(Speculation):
             drawn = [next(tokens) for _ in range(chunk.num_sample_rows)]
             seq.verified = None  # this forward's audit record carried it
             if chunk.draft:
-                self._verify(chunk, drawn, len(plan.chunks), new_tokens)
+                self._stepped(seq, len(plan.chunks))  # one forward, however many tokens it emits
+                self.speculation.settle(chunk, drawn, self.pool, lambda t, s=seq: self._emit(s, t, new_tokens))
+                name_filled_blocks(self.pool, seq)
                 continue
             seq.num_computed_tokens += chunk.length
             name_filled_blocks(self.pool, seq)
@@ -169,7 +164,8 @@ class Scheduler(Speculation):
         seq.status = status
         seq.finished_at = self.clock()
         seq.audit_blocks = tuple(seq.block_ids)
-        self._drafts_done(seq)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         if self.limits.early_stop or not seq.block_ids:
             self.pool.release(seq.question_id, seq.block_ids)
         else:
@@ -186,6 +182,11 @@ class Scheduler(Speculation):
         return bool(self.running or self.waiting or self.lingering or self._finished)
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _draft(self, seq: Sequence, length: int, budget: int, behind: int) -> tuple[int, ...]:
+        if self.speculation is None or length != 1:
+            return ()
+        return self.speculation.draft(seq, budget, behind, self.pool, self.max_tokens_per_question)
+
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         self.running.sort(key=_keep_order)
         for seq in list(self.running):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.schedule.sequence import Sequence
+from engine.sequence import Sequence
 
 # A rate starts at PRIOR_RATE, worth PRIOR_TRIALS observations.
 PRIOR_RATE = 0.5

@@ -8,7 +8,7 @@ past max_new_tokens or the question's context, and never takes blocks a neighbou
 
 from __future__ import annotations
 
-from engine.schedule.sequence import Sequence, Status
+from engine.sequence import Sequence, Status
 
 
 def can_draft(seq: Sequence) -> bool:

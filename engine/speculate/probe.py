@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.schedule.sequence import SamplingParams, Sequence
-from engine.schedule.step_plan import Chunk, StepPlan
+from engine.sequence import SamplingParams, Sequence
+from engine.step_plan import Chunk, StepPlan
 from engine.speculate.cost import StepCosts
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)

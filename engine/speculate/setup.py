@@ -1,4 +1,5 @@
-"""The engine's speculative decoding, from its options: the drafter, and policy auto's cost tables."""
+"""The engine's speculative decoding, from its options: the Speculation the scheduler calls, its drafter, and
+policy auto's cost tables."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import structlog
 from engine.speculate.draft_model import DraftModel, DraftModelRefused, check_tokenizer, layer_view
 from engine.speculate.ngram import NgramDrafter
 from engine.speculate.probe import BUDGET_S, measure, probe_rows, target_step
+from engine.speculate.speculation import Speculation
 
 log = structlog.get_logger("kev.engine")
 
@@ -52,16 +54,26 @@ def _draft_model(options, model, weights, capacity_tokens: int, block_size: int)
                       block_size, name)
 
 
-def measure_costs(options, scheduler, runner, pool, device) -> None:
-    """policy auto: time the runner (and a model drafter's own forward) against rows, once, before any
-    question arrives; logged as `speculative.cost_model`."""
-    if scheduler.drafter is None or options.speculative_policy != "auto":
-        return
+def build_speculation(options, model, weights, runner, pool) -> Speculation | None:
+    """speculative.method as the scheduler calls it; None when off. Policy auto's cost tables are measured
+    here, before any question holds a block (engine/speculate/probe.py)."""
+    drafter = build_drafter(options, model, weights, pool.num_blocks * pool.block_size, pool.block_size)
+    if drafter is None:
+        return None
+    speculation = Speculation(drafter, options.speculative_policy)
+    if options.speculative_policy == "auto":
+        _measure_costs(options, speculation, runner, pool, model.device)
+    return speculation
+
+
+def _measure_costs(options, speculation: Speculation, runner, pool, device) -> None:
+    """policy auto: time the runner (and a model drafter's own forward) against rows, once; logged as
+    `speculative.cost_model`."""
     started = time.perf_counter()
     rows = probe_rows(options.max_tokens_per_step)
-    scheduler.step_costs = measure(target_step(runner, pool.num_blocks, pool.block_size), rows, device)
-    figures = {"forward": scheduler.step_costs.summary()}
-    drafter = scheduler.drafter
+    speculation.costs = measure(target_step(runner, pool.num_blocks, pool.block_size), rows, device)
+    figures = {"forward": speculation.costs.summary()}
+    drafter = speculation.drafter
     if hasattr(drafter, "measure"):  # within the same budget, roughly: half of it again
         drafter.costs = drafter.measure(rows, BUDGET_S / 2)
         figures["drafter"] = drafter.costs.summary()

@@ -136,15 +136,24 @@ def _pipeline(model, method: str, batch: int, max_draft_tokens: int, policy: str
 
 def _timed(pipe, batch: list[str], max_new_tokens: int) -> dict:
     core = pipe.core
-    forwards, drafted, accepted = (core.num_forwards, core.scheduler.num_draft_tokens,
-                                   core.scheduler.num_accepted_draft_tokens)
+    forwards, drafted, accepted = core.num_forwards, _drafted(core), _accepted(core)
     started = time.perf_counter()
     answers = pipe.run(batch, max_new_tokens=max_new_tokens, temperature=0.0)
     seconds = time.perf_counter() - started
     return dict(rate=sum(a.usage.completion_tokens for a in answers) / seconds,
-                forwards=core.num_forwards - forwards, drafted=core.scheduler.num_draft_tokens - drafted,
-                accepted=core.scheduler.num_accepted_draft_tokens - accepted,
+                forwards=core.num_forwards - forwards, drafted=_drafted(core) - drafted,
+                accepted=_accepted(core) - accepted,
                 tokens=[a.token_ids for a in answers])
+
+
+def _drafted(core) -> int:
+    speculation = core.scheduler.speculation
+    return speculation.num_draft_tokens if speculation is not None else 0
+
+
+def _accepted(core) -> int:
+    speculation = core.scheduler.speculation
+    return speculation.num_accepted_draft_tokens if speculation is not None else 0
 
 
 def _row(workload: str, count: int, runs: dict[str, list[dict]]) -> dict:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
-from kev_async.observe.speculative_metrics import speculative_counts, speculative_families
+from kev_async.observe.speculative_metrics import draft_counts, speculative_counts, speculative_families
 from kev_async.observe.structured_metrics import STRUCTURED_COUNTERS, structured_counts
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
@@ -315,5 +315,5 @@ _COUNTERS = {
 def _engine_counts(core) -> dict[str, float]:
     return {"generated": core.num_generated, "forwards": core.num_forwards,
             "question_steps": core.scheduler.num_question_steps,
-            "preemptions": core.scheduler.num_preemptions, "draft_tokens": core.scheduler.num_draft_tokens,
-            "accepted_draft_tokens": core.scheduler.num_accepted_draft_tokens, **structured_counts(core.constraints)}
+            "preemptions": core.scheduler.num_preemptions, **draft_counts(core.scheduler.speculation),
+            **structured_counts(core.constraints)}

@@ -1,4 +1,4 @@
-"""Speculative decoding's metrics, read from an engine's scheduler at scrape time: drafted, accepted and
+"""Speculative decoding's metrics, read from an engine's speculation at scrape time: drafted, accepted and
 verifying steps per drafter (label `method`: ngram | draft_model), the acceptance rate, and tokens per step.
 
 The unlabelled `kev_draft_tokens` / `kev_accepted_draft_tokens` (metrics.py) stay as they were: the sums
@@ -22,13 +22,20 @@ COUNTERS = {
 }
 
 
+def draft_counts(speculation) -> dict[str, int]:
+    """The unlabelled sums (metrics.py's kev_draft_tokens, kev_accepted_draft_tokens); 0 without speculation."""
+    if speculation is None:
+        return {"draft_tokens": 0, "accepted_draft_tokens": 0}
+    return {"draft_tokens": speculation.num_draft_tokens, "accepted_draft_tokens": speculation.num_accepted_draft_tokens}
+
+
 def speculative_counts(core) -> dict[tuple[str, str], float]:
     """(counter key, method) -> value; all zero without an engine or for one that does not speculate."""
-    scheduler = core.scheduler if core is not None else None
-    method = scheduler.speculative_method if scheduler is not None else None
-    values = {} if scheduler is None else {"drafted": scheduler.num_draft_tokens, "verifications":
-                                           scheduler.num_draft_verifications,
-                                           "accepted": scheduler.num_accepted_draft_tokens}
+    speculation = core.scheduler.speculation if core is not None else None
+    method = speculation.method if speculation is not None else None
+    values = {} if speculation is None else {"drafted": speculation.num_draft_tokens, "verifications":
+                                             speculation.num_draft_verifications,
+                                             "accepted": speculation.num_accepted_draft_tokens}
     return {(key, m): (values[key] if m == method else 0) for key in COUNTERS for m in METHODS}
 
 

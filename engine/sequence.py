@@ -1,4 +1,6 @@
-"""One question's life inside the engine: its tokens, its blocks, its status."""
+"""One question's life inside the engine: its tokens, its blocks, its status.
+
+Neutral ground: the scheduler, the model runner and speculative decoding all read it, none owns it."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.schedule.sequence import Sequence
+from engine.sequence import Sequence
 
 
 @dataclass
