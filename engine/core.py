@@ -35,10 +35,12 @@ from engine.routing_embedding import EmbeddingHash
 from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
+from engine.schedule.tenants import Tenants
 from engine.sequence import Sequence, Status
 from engine.speculate.setup import build_speculation
 from engine.system_prefix import SystemPrefix
 from schemas import AnswerEvent, QuestionEvent
+from schemas.principal import ANONYMOUS, Principal
 
 log = structlog.get_logger("kev.engine")
 
@@ -87,13 +89,15 @@ class EngineCore:
 
     # -- intake --------------------------------------------------------------------------------
     def add(self, question: QuestionEvent, prompt_ids: list[int] | None = None,
-            arrival: float | None = None, published: float | None = None) -> Sequence:
+            arrival: float | None = None, published: float | None = None,
+            principal: Principal = ANONYMOUS) -> Sequence:
         """Queue a question; raises QuestionRejected with a code the caller turns into an error answer.
 
         `arrival` (time.monotonic()) is when it reached this worker: its timings count from there.
         `published` (the same clock; engine.schedule.deadlines.published_at) is when it was published: its
         deadline counts from there. A question already past its deadline is not computed: it ends
         "timeout" at the next step, with no prefill. Without `prompt_ids` the prompt is encoded here.
+        `principal`: who asked (schemas/principal.py), whose fair share and quotas it takes.
         """
         qid = question.question_id
         if qid in self.output:
@@ -117,6 +121,7 @@ class EngineCore:
             priority=question.priority,
             deadline=ends_at,
             arrival=arrival,
+            principal=principal,
             adapter=question.adapter,
             lora=lora,
             constraint=constraint,
@@ -238,13 +243,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         events = StepEvents()
         if plan:
+            started = time.perf_counter()
             out = self.runner.execute(plan, self.constraints.row_masks)
+            seconds = time.perf_counter() - started  # the scheduler sizes prompt chunks by what steps cost
             if self.step_observer is not None:
                 self.step_observer(len(plan.chunks))
             self.num_forwards += 1
             if self.options.audit:
                 self._audit(out.owners, out.segments)
-            new_tokens = self.scheduler.update(plan, out.sampled)
+            new_tokens = self.scheduler.update(plan, out.sampled, seconds)
             for seq in self.constraints.advance(new_tokens):  # a token its grammar refused: it ends alone
                 self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)
@@ -308,17 +315,19 @@ def _limits(options: EngineOptions, model_positions: int, attention=None) -> Sch
     return SchedulerLimits(
         max_running=options.max_batch_size,
         max_tokens_per_step=options.max_tokens_per_step,
+        prompt_chunk_tokens=min(options.prompt_chunk_tokens, options.max_tokens_per_step),
         max_context=min(options.max_context, model_positions),  # past the rotary table there is no position
         capacity_tokens=options.kv_slot_capacity,
         max_waiting=options.max_waiting,
         batch_window_s=options.batch_window_ms / 1000,
         policy=options.policy,
+        tenants=Tenants(options.tenants),
         overflow=options.overflow_policy,
         length_aware=options.length_aware,
         early_stop=options.early_stop,
         split_roles=options.deterministic,
         # Fixed tiles and row-wise attention read every row's keys alike whatever the chunk: cut anywhere.
-        prompt_chunk=0 if options.deterministic or isinstance(attention, RowwiseAttention)
+        chunk_grid=0 if options.deterministic or isinstance(attention, RowwiseAttention)
         else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
     )
 

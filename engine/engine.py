@@ -110,8 +110,8 @@ class Engine:
         """Queue a question. `arrival` (time.monotonic()) is when it really arrived, for its timings;
         `published_ms` (ms since the epoch, a Kafka record's timestamp) is when it was published, for
         its deadline (see engine/schedule/deadlines.py); `cancelled`: a cancel came before it, so it ends
-        "cancelled" without computing; `principal`: who asked, whose compile budget its response_format
-        uses. Its prompt is rendered and tokenized here, on a worker thread, so a huge prompt never holds
+        "cancelled" without computing; `principal`: who asked, whose fair share and quotas it takes and
+        whose compile budget its response_format uses. Its prompt is rendered and tokenized here, on a worker thread, so a huge prompt never holds
         up a step; a prompt over the limits, or a response_format that does not compile, is answered here.
         Keys Kev does not know (a misspelt keyword, a dict's extra key) go as intake.unknown_fields says:
         listed in the answer's audit and logged, or refused here with QuestionRejected (engine/prompt.py)."""
@@ -149,7 +149,7 @@ class Engine:
         if handle.cancelling:  # before or while it was prepared: it ends "cancelled" at the next step
             self._commands.put(("withdraw", (question, arrival)))
         else:
-            self._commands.put(("add", (question, prompt_ids, arrival, published)))
+            self._commands.put(("add", (question, prompt_ids, arrival, published, principal)))
         return handle
 
     async def _prepare(self, handle: Handle, arrival: float, published: float | None,
@@ -312,9 +312,9 @@ class Engine:
             arg.run()
             anyio.from_thread.run_sync(arg.done.set)
             return
-        question, prompt_ids, arrival, published = arg
+        question, prompt_ids, arrival, published, principal = arg
         try:
-            self.core.add(question, prompt_ids, arrival=arrival, published=published)
+            self.core.add(question, prompt_ids, arrival=arrival, published=published, principal=principal)
             handle = self._handles.get(question.question_id)
             if handle is not None and handle.cancelling:  # a cancel on its way behind it: apply it now
                 self.core.cancel(question.question_id)

@@ -3,6 +3,7 @@ its key, takes the key's default, and `from_config` copies the key's value."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from engine.defaults import Defaults
@@ -19,6 +20,7 @@ from schemas import (
     SpeculativePolicy,
     UnknownFieldsPolicy,
 )
+from schemas.config import TenantConfig
 
 
 def _key(path: str):
@@ -43,7 +45,8 @@ class EngineOptions:
     max_tokens_per_step: int = _key("scheduler.max_tokens_per_step")  # one forward's tokens (chunked prefill beyond)
     prompt_chunk_tokens: int = _key("scheduler.prompt_chunk_tokens")  # prompt chunks end on this grid (0: anywhere)
     batch_window_ms: float = _key("scheduler.batch_window_ms")  # wait this long for company when the batch is empty
-    policy: SchedulingPolicy = _key("scheduler.policy")
+    policy: SchedulingPolicy = _key("scheduler.policy")  # fair (each principal its share) | fcfs | ...
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict)  # kev.yaml `tenants`: weights and quotas
     overflow_policy: OverflowPolicy = _key("router.overflow_policy")
     max_waiting: int = _key("router.max_waiting")
     length_aware: bool = _key("scheduler.length_aware_grouping")
@@ -91,5 +94,6 @@ class EngineOptions:
             audit=cfg.isolation.debug or cfg.logging.level == "debug",
             worker=worker,
             default_timeout_ms=cfg.aggregator.timeout_ms,
+            tenants=cfg.tenants,
             defaults=Defaults.from_config(cfg.sampling),
         )

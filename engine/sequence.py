@@ -1,4 +1,4 @@
-"""One question's life inside the engine: its tokens, its blocks, its status.
+"""One question's life inside the engine: its tokens, its blocks, its status, who asked.
 
 Neutral ground: the scheduler, the model runner and speculative decoding all read it, none owns it."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from schemas import DEFAULT_CONFIG
+from schemas.principal import ANONYMOUS, Principal
 
 _SAMPLING = DEFAULT_CONFIG.sampling
 
@@ -76,6 +77,7 @@ class Sequence:
     adapter: str | None = None  # the adapter's name, as asked for
     lora: object | None = None  # the adapter version resolved at admission (engine.adapters.files.LoraAdapter)
     arrival: float = field(default_factory=time.monotonic)
+    principal: Principal = ANONYMOUS  # who asked: its fair share and its tenant's quotas (engine/schedule/)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
@@ -97,6 +99,8 @@ class Sequence:
     num_registered: int = 0  # leading blocks named in the cache (a refused name stops the run)
     cached_prompt_tokens: int = 0  # prompt tokens read from the cache at its first admission
     overtaken: int = 0  # later questions admitted while it did not fit (bounded: no starvation)
+    throttled_s: float = 0.0  # of its wait for the batch, the seconds its tenant was over a quota
+    throttled_since: float | None = None  # over quota now, since then
     constraint: object | None = None  # its response_format's grammar state (engine.constrain.state.Constraint)
     ignored_fields: tuple[str, ...] = ()  # keys of the question Kev did not know, for the audit
     drafted_tokens: int = 0  # speculative decoding: draft tokens verified for it
@@ -141,6 +145,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt (and any recompute) is done: each step computes its newest token and draws the next."""
+        return self.num_uncomputed == 1 and self.num_computed_tokens >= self.num_prompt_tokens
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)

@@ -54,5 +54,16 @@ class StepPlan:
     def num_draft_tokens(self) -> int:
         return sum(len(c.draft) for c in self.chunks)
 
+    @property
+    def num_keys(self) -> int:
+        """Keys the step's attention reads, each row its own question's keys up to its position."""
+        return sum(chunk_keys(c.start, c.length) for c in self.chunks)
+
     def __bool__(self) -> bool:
         return bool(self.chunks)
+
+
+def chunk_keys(start: int, rows: int) -> int:
+    """Keys read by `rows` rows of one question whose first row sits at position `start` (row i reads
+    start + i + 1: every key up to its own)."""
+    return rows * start + rows * (rows + 1) // 2

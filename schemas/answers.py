@@ -33,6 +33,8 @@ class Timings(Struct, frozen=True):
     # never reached an engine); finished_ms - started_ms is e2e_ms within a millisecond's rounding.
     started_ms: int | None = None
     finished_ms: int | None = None
+    # Of queued_ms, the time its tenant was over a quota (tenants.<name>.max_tokens_per_second, max_in_flight)
+    throttled_ms: float = 0.0
 
 
 class Audit(Struct, frozen=True):

@@ -28,7 +28,9 @@ from schemas.routing import RoutingStrategy
 
 Positive = Annotated[int, Meta(ge=1)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
-SchedulingPolicy = Literal["fcfs", "shortest_prompt_first", "priority"]  # the order waiting questions are admitted in
+# fair: each principal its share (VTC), and within a principal priority, then earliest deadline; the others order
+# every waiting question as one queue (docs/fairness.md)
+SchedulingPolicy = Literal["fair", "fcfs", "shortest_prompt_first", "priority"]
 OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to a new question
 PrefixScope = Literal["tenant", "global"]
 IsolationLevel = Literal["strict", "system_prefix", "shared"]  # what a question may read of another's KV blocks
@@ -126,11 +128,14 @@ class CoreConfig(_Section):
 
 class SchedulerConfig(_Section):
     batch_window_ms: Annotated[float, Meta(ge=0, le=1000)] = 10.0
-    max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048
-    # Where prompts attend by chunk-shaped calls (SDPA, flash-attn): chunks end only at multiples of this
-    # many positions (or the prompt's end), so their attention calls never depend on neighbours. 0: anywhere.
-    prompt_chunk_tokens: Annotated[int, Meta(ge=0)] = 512
-    policy: SchedulingPolicy = "fcfs"
+    max_tokens_per_step: Annotated[int, Meta(ge=16)] = 2048  # a step's tokens; all of them while nobody decodes
+    # While any question decodes, a step's prompt rows cost at most what this many fresh prompt tokens cost, by the
+    # step costs the engine measures (a chunk deep in a long prompt, its rows reading many keys, is shorter), so a
+    # stream's next token never waits behind a long prompt (docs/speed.md#stall-free-steps). Where prompts attend
+    # by chunk-shaped calls (SDPA, flash-attn; GPUs want 512 or more) chunks also end only at multiples of it, so
+    # their attention calls never depend on neighbours. 0: no limit (prompts take what max_tokens_per_step leaves).
+    prompt_chunk_tokens: Annotated[int, Meta(ge=0)] = 128
+    policy: SchedulingPolicy = "fair"
     length_aware_grouping: bool = False
     early_stop: bool = True
 
@@ -353,6 +358,21 @@ class StructuredConfig(_Section):
     cache_size: Annotated[int, Meta(ge=1, le=100_000)] = 256  # compiled grammars kept, least recently used out
 
 
+DEFAULT_TENANT = "default"  # tenants.default: the rules of every tenant not named
+ANONYMOUS_TENANT = "anonymous"  # tenants.anonymous: unsigned questions (one principal), else tenants.default
+
+
+class TenantConfig(_Section):
+    """One tenant's share of a worker (`tenants.<name>`; docs/fairness.md). Quotas are per worker: N workers
+    admit up to N times them. A question over a quota waits for the batch, never fails."""
+
+    # Its share while others have work too: service (tokens prefilled + decoded) in proportion to weight
+    weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0
+    # Prompt and answer tokens computed per second, a leaky bucket holding a second's worth; None = no limit
+    max_tokens_per_second: Annotated[float, Meta(gt=0)] | None = None
+    max_in_flight: Positive | None = None  # its questions in the batch at once; None = no limit
+
+
 SpeculativeMethod = Literal["off", "ngram", "draft_model"]  # speculative.method
 SpeculativePolicy = Literal["auto", "always"]  # speculative.policy
 
@@ -387,6 +407,9 @@ class KevConfig(_Section):
     intake: IntakeConfig = IntakeConfig()
     structured: StructuredConfig = StructuredConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # scheduler.policy fair: tenant name -> weight and quotas; `default` for tenants not named, `anonymous` for
+    # unsigned questions (docs/fairness.md)
+    tenants: dict[str, TenantConfig] = {}
 
 
 DEFAULT_CONFIG = KevConfig()  # every default, for code that runs without a kev.yaml

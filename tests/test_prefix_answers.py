@@ -51,7 +51,8 @@ CASES = {  # name: (shared questions, unrelated questions, option overrides)
     "one": (1, 1, {}),
     "eight-chunked": (8, 3, dict(max_tokens_per_step=96)),
     "thirty-two": (32, 6, {}),
-    "thirty-two-preempted-chunked": (32, 6, dict(num_blocks=110, max_tokens_per_step=256)),
+    # Whole-budget prompt steps (prompt_chunk_tokens 0) keep enough prompts in flight at once to run the pool short.
+    "thirty-two-preempted-chunked": (32, 6, dict(num_blocks=110, max_tokens_per_step=256, prompt_chunk_tokens=0)),
 }
 
 

@@ -129,8 +129,8 @@ def test_the_grid_only_where_prompts_attend_by_chunk(tiny_models, harness):
     from engine.kernels.rowwise import RowwiseAttention
 
     options = harness.tiny_options(prompt_chunk_tokens=16)
-    assert _limits(harness.tiny_options(deterministic=True, prompt_chunk_tokens=16), 512).prompt_chunk == 0
-    assert _limits(options, 512, RowwiseAttention.__new__(RowwiseAttention)).prompt_chunk == 0
-    assert _limits(options, 512, TorchAttention.__new__(TorchAttention)).prompt_chunk == 16
+    assert _limits(harness.tiny_options(deterministic=True, prompt_chunk_tokens=16), 512).chunk_grid == 0
+    assert _limits(options, 512, RowwiseAttention.__new__(RowwiseAttention)).chunk_grid == 0
+    assert _limits(options, 512, TorchAttention.__new__(TorchAttention)).chunk_grid == 16
     capped = harness.tiny_options(prompt_chunk_tokens=4096, max_tokens_per_step=64)
-    assert _limits(capped, 512, TorchAttention.__new__(TorchAttention)).prompt_chunk == 64
+    assert _limits(capped, 512, TorchAttention.__new__(TorchAttention)).chunk_grid == 64

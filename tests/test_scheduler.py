@@ -23,7 +23,9 @@ class FakeClock:
 
 
 def make(num_blocks: int = 64, block_size: int = 4, clock: FakeClock | None = None, **limits) -> Scheduler:
+    """A scheduler over a small pool; FCFS unless `policy` says otherwise (policy fair: tests/test_fairness.py)."""
     limits.setdefault("max_context", 1024)
+    limits.setdefault("policy", "fcfs")
     return Scheduler(BlockPool(num_blocks, block_size), SchedulerLimits(**limits), clock=clock or FakeClock())
 
 
@@ -653,7 +655,7 @@ def check_ownership(sched: Scheduler) -> None:
     extra_budget=st.integers(0, 12),
     max_context=st.integers(8, 40),
     capacity=st.none() | st.integers(8, 30),
-    policy=st.sampled_from(["fcfs", "shortest_prompt_first", "priority"]),
+    policy=st.sampled_from(["fair", "fcfs", "shortest_prompt_first", "priority"]),
     overflow=st.sampled_from(["wait", "queue", "reject"]),
     early_stop=st.booleans(),
     length_aware=st.booleans(),

@@ -66,13 +66,14 @@ def _error(seq: Sequence) -> ErrorInfo | None:
     if seq.status == Status.ERROR:
         return ErrorInfo(seq.error_code or "internal_error", seq.error or "")
     if seq.status == Status.TIMEOUT and seq.error:  # never computed: say why the answer is empty
-        return ErrorInfo("deadline_expired", seq.error)
+        return ErrorInfo(seq.error_code or "deadline_expired", seq.error)
     return None
 
 
 def _timings(seq: Sequence) -> Timings:
     """Milliseconds from when the question reached this worker (`arrival`), not from its publish time:
-    queued_ms until it was first admitted to the batch (0 if never), ttft_ms until its first token,
+    queued_ms until it was first admitted to the batch (0 if never; throttled_ms of it over its tenant's
+    quotas), ttft_ms until its first token,
     e2e_ms until it ended; started_ms and finished_ms are those two instants since the epoch. Its
     deadline, unlike these, counts from the publish time."""
 
@@ -88,7 +89,8 @@ def _timings(seq: Sequence) -> Timings:
 
     return Timings(queued_ms=ms(seq.admitted_at) or 0.0, ttft_ms=ms(seq.first_token_at),
                    e2e_ms=ms(seq.finished_at) or 0.0,
-                   started_ms=epoch_ms(seq.arrival), finished_ms=epoch_ms(seq.finished_at))
+                   started_ms=epoch_ms(seq.arrival), finished_ms=epoch_ms(seq.finished_at),
+                   throttled_ms=round(seq.throttled_s * 1000, 3))
 
 
 def _compact(sizes: list[int]) -> tuple[int, ...]:

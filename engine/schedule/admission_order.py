@@ -1,11 +1,13 @@
 """The order in which waiting questions are offered a place in the batch, per admission policy.
 
 Pure Python: the scheduler tries them in this order and skips (a bounded number of times) those
-that do not fit the pool.
+that do not fit the pool. Under policy fair this is the order within one principal (priority, then the
+earliest deadline); engine/schedule/fair_share.py decides between principals.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 from engine.sequence import Sequence, Status
@@ -16,7 +18,13 @@ ORDER: dict[SchedulingPolicy, Callable[[Sequence], tuple]] = {
     "fcfs": lambda s: (s.status != Status.PREEMPTED, s.arrival),
     "shortest_prompt_first": lambda s: (s.status != Status.PREEMPTED, s.num_tokens, s.arrival),
     "priority": lambda s: (s.status != Status.PREEMPTED, -s.priority, s.arrival),
+    "fair": lambda s: (s.status != Status.PREEMPTED, -s.priority, due(s), s.arrival),
 }
+
+
+def due(seq: Sequence) -> float:
+    """Its deadline, for earliest-deadline-first; a question without one comes after every one with one."""
+    return math.inf if seq.deadline is None else seq.deadline
 
 
 def admission_order(waiting: list[Sequence], running: list[Sequence], policy: SchedulingPolicy,

@@ -1,7 +1,8 @@
 """A question's deadline counts from when it was published, not from when a worker got to it.
 
 After a backlog, a question whose caller gave up long ago would otherwise be computed in full for
-nobody. The publish time is a wall-clock instant (a Kafka record's timestamp, ms since the epoch);
+nobody; so would one whose deadline is too near for its prompt (`deadline_ending`). The publish time
+is a wall-clock instant (a Kafka record's timestamp, ms since the epoch);
 the engine's clock is time.monotonic(), so the publish time is carried over as an age.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from engine.sequence import Sequence
 
 
 def published_at(published_ms: int | None, *, wall: Callable[[], float] = time.time,
@@ -37,3 +40,30 @@ def expired_message(start: float, arrival: float, timeout_ms: int, now: float) -
     return (f"the question's deadline (timeout_ms={timeout_ms}, counted from its publish time) passed "
             f"before it reached the engine: it was published {waited_ms:.0f} ms ago and reached this worker "
             f"{before_ms:.0f} ms after publishing; it was not computed")
+
+
+def unreachable_message(deadline_in_s: float, prompt_tokens: int, fastest_s: float) -> str:
+    """Why a question was answered "timeout" before any of it was computed: its deadline was too near."""
+    return (f"the question's deadline could not be met: {deadline_in_s * 1000:.0f} ms were left, and its "
+            f"{prompt_tokens} prompt tokens take at least {fastest_s * 1000:.0f} ms to compute on this worker "
+            f"even if started at once; it was answered at once and not computed")
+
+
+def deadline_ending(seq: Sequence, now: float, fastest_prefill_s: Callable[[Sequence], float | None]) -> tuple | None:
+    """Whether `seq` ends "timeout" now: None if not, else (error, error code) for its answer, both None for
+    a question that was computed (it keeps its partial text). A waiting question ends before its deadline
+    when `fastest_prefill_s(seq)`, the least its prompt could take here, is more than the time left."""
+    if seq.deadline is None:
+        return None
+    if now >= seq.deadline:
+        if seq.awaits_adapter:  # never computed: the answer says why it is empty
+            return (f"the question's deadline passed while it waited for adapter {seq.adapter!r} to get a "
+                    f"resident slot (adapters.max_resident, every one in use)", None)
+        if seq.admitted_at is None:
+            return "the question's deadline passed while it waited for a place in the batch", None
+        return None, None
+    if seq.admitted_at is None:
+        needed = fastest_prefill_s(seq)
+        if needed is not None and now + needed > seq.deadline:
+            return unreachable_message(seq.deadline - now, seq.num_tokens, needed), "deadline_unreachable"
+    return None

@@ -1,27 +1,36 @@
 """Iteration-level scheduling: every step admits, preempts and evicts questions over a fixed block pool.
 
-No torch, no asyncio: the scheduler is plain bookkeeping, so its tests run on exact block ids.
+A step: questions past their deadline, or too near it to be computed, end; under policy fair a principal
+below its share of the channels takes one from the most served (sharing.py, fair_share.py); running
+questions get their next tokens in keep order (a decode, a draft, a prompt chunk sized so that decoding
+streams do not stall: step_budget.py); then waiting questions join (admission.py). No torch, no asyncio:
+plain bookkeeping, so its tests run on exact block ids.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
+from collections import Counter
 from typing import Callable
 
 from engine.kv.block_pool import BlockPool
-from engine.schedule.admission_order import admission_order
+from engine.schedule.admission import Admission
+from engine.schedule.channels import Channels
+from engine.schedule.chunks import Filling, chunk_length, new_chunk
+from engine.schedule.deadlines import deadline_ending
 from engine.schedule.limits import SchedulerLimits
-from engine.schedule.prefix_chain import (
-    awaits_prefix,
-    blocks_in_flight,
-    cached_blocks,
-    name_filled_blocks,
-    shared_chain,
-)
-from engine.schedule.prompt_grid import on_grid
+from engine.schedule.prefix_chain import name_filled_blocks, shared_chain
+from engine.schedule.sharing import Sharing
+from engine.schedule.step_budget import PromptRoom
+from engine.schedule.step_cost import StepCost
 from engine.sequence import Sequence, Status
-from engine.step_plan import Chunk, StepPlan
+from engine.step_plan import StepPlan
+
+__all__ = ["Overloaded", "PromptTooLong", "Scheduler", "SchedulerLimits", "StepPlan"]
+
+# A shared host's step times swing about twofold: a question is given up before it is computed only if
+# it could not make its deadline even at this many times the measured speed.
+FASTEST_PLAUSIBLE = 0.5
 
 
 class Overloaded(Exception):
@@ -37,21 +46,27 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic, speculation=None,
                  adapter_slot: Callable[[Sequence], bool] | None = None) -> None:
         self.pool = pool
-        self.speculation = speculation  # None: no speculative decoding (engine/speculate/speculation.py)
-        # Offered a question that waits for a resident adapter slot when its turn to be admitted comes: True
-        # once it holds its adapter; False while every slot is in use (or when it ended the question).
-        self.adapter_slot = adapter_slot
         self.limits = limits
         self.clock = clock
+        self.speculation = speculation  # None: no speculative decoding (engine/speculate/speculation.py)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.lingering: list[Sequence] = []  # finished but kept in the batch (early_stop=False)
         self._finished: list[Sequence] = []
-        self._free_channels = list(range(limits.max_running))  # a heap: the lowest free channel first
+        self.channels = Channels(limits.max_running)
+        self.sharing = Sharing(limits.tenants, limits.policy)  # fair share, quotas, the tenants' counts
+        self.admission = Admission(pool, limits, self.sharing, self.channels, adapter_slot)
+        self.costs = StepCost()  # measured forwards: prompt chunks while others decode, hopeless deadlines
         self.num_preemptions = 0
-        self.prompt_tokens_admitted = 0  # over first admissions: the prefix cache's hit rate
-        self.cached_tokens_admitted = 0
         self.num_question_steps = 0  # question-forwards that emitted tokens (1 each, or 1 + kept drafts)
+
+    @property
+    def prompt_tokens_admitted(self) -> int:  # over first admissions: the prefix cache's hit rate
+        return self.admission.prompt_tokens_admitted
+
+    @property
+    def cached_tokens_admitted(self) -> int:
+        return self.admission.cached_tokens_admitted
 
     # -- intake -------------------------------------------------------------------------------
     @property
@@ -75,6 +90,7 @@ class Scheduler:
         seq.status = Status.WAITING
         # The audit digests the tokens of a question that may draft: its drafts' sources (engine/audit.py).
         seq.speculative = self.speculation is not None and seq.constraint is None
+        self.sharing.arrive(seq)
         self.waiting.append(seq)
 
     def cancel(self, question_id: str) -> bool:
@@ -86,15 +102,20 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def wait_time(self) -> float | None:
-        """Seconds to hold the next step for company; 0 = step now, None = idle until an arrival."""
+        """Seconds to hold the next step for company, or for a tenant's quota; 0 = step now, None = idle
+        until an arrival."""
         if self.running or self.lingering or self._finished:
             return 0.0
         if not self.waiting:
             return None
+        now = self.clock()
+        throttled = self.sharing.retry_in(self.waiting, now)
+        if throttled > 0:
+            return throttled
         if len(self.waiting) >= self.limits.max_running or self._waiting_fill_a_step():
             return 0.0  # company would not join this step: it is full already
         oldest = min(seq.arrival for seq in self.waiting)
-        return max(0.0, oldest + self.limits.batch_window_s - self.clock())
+        return max(0.0, oldest + self.limits.batch_window_s - now)
 
     def _waiting_fill_a_step(self) -> bool:
         budget = self.limits.max_tokens_per_step
@@ -105,18 +126,27 @@ class Scheduler:
         return False
 
     def schedule(self) -> StepPlan:
-        self._expire_deadlines()
-        plan = StepPlan()
+        now = self.clock()
+        self._end_hopeless(now)
+        room = PromptRoom(self.limits.prompt_chunk_tokens, self.costs.key_cost,
+                          any(s.decoding for s in self.running), grid=bool(self.limits.chunk_grid))
+        step = Filling(self.limits.max_tokens_per_step, room, self.sharing, now)
+        self.sharing.open_step(self.running)
+        self._rebalance(step)
         if self.speculation is not None:
             self.speculation.plan(self.running, self.limits.max_tokens_per_step, self.max_tokens_per_question)
-        budget = self._schedule_running(plan, self.limits.max_tokens_per_step)
-        if not plan.preempted and not self.lingering:
-            self._admit(plan, budget)
-        self._schedule_lingering(plan, budget)  # admission is off while anyone lingers: budget is still ours
-        return plan
+        preempted = len(step.plan.preempted)
+        self._schedule_running(step)
+        if len(step.plan.preempted) == preempted and not self.lingering:  # the pool is short: nobody new comes in
+            self.admission.admit(step, self.waiting, self.running)
+        self._schedule_lingering(step)  # admission is off while anyone lingers: the budget is still ours
+        return step.plan
 
-    def update(self, plan: StepPlan, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Record what the forward computed and drew; returns (question, new token) pairs."""
+    def update(self, plan: StepPlan, sampled: list[int], seconds: float | None = None) -> list[tuple[Sequence, int]]:
+        """Record what the forward computed (in `seconds`, when timed) and drew; returns (question, new
+        token) pairs."""
+        if seconds is not None:
+            self.costs.observe(plan.num_tokens, plan.num_keys, seconds)
         tokens = iter(sampled)
         new_tokens: list[tuple[Sequence, int]] = []
         for chunk in plan.chunks:
@@ -158,9 +188,11 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
-            heapq.heappush(self._free_channels, seq.channel)
+            self.channels.give(seq.channel)
+            self.sharing.depart(seq, self.clock())
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.sharing.depart(seq, self.clock())
         seq.status = status
         seq.finished_at = self.clock()
         seq.audit_blocks = tuple(seq.block_ids)
@@ -181,37 +213,40 @@ class Scheduler:
         """Something to compute, or an ending (cancel, timeout) not yet reported."""
         return bool(self.running or self.waiting or self.lingering or self._finished)
 
-    # -- helpers ---------------------------------------------------------------------------------
+    def shared_prefix(self, seq: Sequence) -> list[bytes]:
+        """The chain of `seq`'s leading cached blocks (read-only, shareable), for the isolation audit."""
+        return shared_chain(self.pool, seq)
+
+    # -- running questions ---------------------------------------------------------------------------
+    def _schedule_running(self, step: Filling) -> None:
+        self.running.sort(key=self.sharing.keep_order)
+        planned = {id(c.seq) for c in step.plan.chunks}
+        for seq in list(self.running):
+            if step.budget <= 0:
+                break
+            if seq.status != Status.RUNNING or id(seq) in planned:  # preempted earlier in this loop, or admitted
+                continue
+            if not seq.decoding and not self.sharing.may_prefill(seq):
+                continue
+            # Leave a token for every question behind this one: a long prefill never stalls their decodes.
+            behind = sum(id(s) not in planned for s in self.running[self.running.index(seq) + 1:])
+            length = chunk_length(seq, max(1, step.budget - behind), self.limits, step.room, at_least_one=True)
+            if not length:  # its next prompt chunk needs more of the step than is left
+                continue
+            draft = self._draft(seq, length, step.budget - behind, behind)
+            if draft or self._reserve(seq, length, step.plan, planned):
+                step.add(new_chunk(seq, length, draft))
+            planned.add(id(seq))
+
     def _draft(self, seq: Sequence, length: int, budget: int, behind: int) -> tuple[int, ...]:
         if self.speculation is None or length != 1:
             return ()
         return self.speculation.draft(seq, budget, behind, self.pool, self.max_tokens_per_question)
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        self.running.sort(key=_keep_order)
-        for seq in list(self.running):
-            if budget <= 0:
-                break
-            if seq.status != Status.RUNNING:  # preempted earlier in this loop
-                continue
-            # Leave a token for every question behind this one: a long prefill never stalls their decodes.
-            behind = len(self.running) - 1 - self.running.index(seq)
-            length = self._chunk_length(seq, max(1, budget - behind))
-            if not length:  # its next prompt chunk needs more of the step than is left
-                continue
-            draft = self._draft(seq, length, budget - behind, behind)
-            if draft:
-                plan.chunks.append(self._chunk(seq, length, draft))
-                budget -= length + len(draft)
-            elif self._reserve(seq, length, plan):
-                plan.chunks.append(self._chunk(seq, length))
-                budget -= length
-        return budget
-
-    def _reserve(self, seq: Sequence, length: int, plan: StepPlan) -> bool:
-        """Find blocks for `length` more tokens, preempting the least important question if needed."""
+    def _reserve(self, seq: Sequence, length: int, plan: StepPlan, planned: set[int]) -> bool:
+        """Find blocks for `length` more tokens, preempting a question not yet planned if needed (itself last)."""
         while not self.pool.grow(seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
-            victim = self.running[-1]
+            victim = max(reversed([s for s in self.running if id(s) not in planned]), key=self.sharing.victim_order)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -220,7 +255,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         # Recompute, not swap: the question drops its cache and re-prefills prompt + output later.
         self.running.remove(seq)
-        heapq.heappush(self._free_channels, seq.channel)
+        self.channels.give(seq.channel)
         self.pool.release(seq.question_id, seq.block_ids)
         seq.num_computed_tokens = seq.num_registered = seq.overtaken = 0
         seq.status = Status.PREEMPTED
@@ -228,65 +263,30 @@ class Scheduler:
         plan.preempted.append(seq)
         self.num_preemptions += 1
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
-        blocked: list[Sequence] = []  # waiting questions that did not fit this step
-        in_flight = blocks_in_flight(self.running)
-        for seq in admission_order(self.waiting, self.running, self.limits.policy, self.limits.length_aware):
-            if budget <= 0 or len(self.running) >= self.limits.max_running or not self.pool.num_free:
-                return
-            if seq.awaits_adapter and not (self.adapter_slot and self.adapter_slot(seq)):
-                continue  # every resident adapter is held by a question in flight: it waits for one to be let go
-            cached = cached_blocks(self.pool, seq)
-            if awaits_prefix(self.pool, seq, cached, in_flight):
-                continue  # its next block is being computed right now: read it soon rather than compute it too
-            chunk = self._try_admit(seq, budget, cached)
-            if chunk is None:
-                blocked.append(seq)
-                if seq.overtaken >= self.limits.max_overtakes:
-                    return  # passed over often enough: nobody behind it goes first any more
-                continue
-            for waiting in blocked:
-                waiting.overtaken += 1
-            plan.chunks.append(chunk)
-            budget -= chunk.length
-            in_flight |= blocks_in_flight([seq])
+    def _rebalance(self, step: Filling) -> None:
+        """policy fair, every channel taken: a principal with waiting work, holding fewer channels than its
+        share and served no more than the one holding the most per weight, takes one of its channels (its
+        question cheapest to recompute) for its own next question."""
+        if not self.sharing.fair_policy or len(self.running) < self.limits.max_running:
+            return
+        channels = Counter(s.principal for s in self.running)
+        for principal in self.sharing.hungry(self.waiting):
+            while (giver := self.sharing.giver(channels, principal)) is not None:
+                head = next((s for s in self.sharing.first_of(principal, self.waiting)
+                             if self.admission.admissible(s, self.running, step.now)), None)
+                if head is None or not self.admission.fits_step(head, step, step.budget - len(self.running)):
+                    break
+                self._preempt(max((s for s in self.running if s.principal == giver), key=self.sharing.victim_order),
+                              step.plan)
+                channels[giver] -= 1
+                chunk = self.admission.try_admit(head, step, step.budget - len(self.running), self.waiting,
+                                                 self.running)
+                if chunk is None:
+                    break  # the pool had less room than the channel: it waits its turn like anyone
+                step.add(chunk)
+                channels[principal] += 1
 
-    def _try_admit(self, seq: Sequence, budget: int, cached: list[int]) -> Chunk | None:
-        """Admit `seq` with its first chunk if the pool has room for it, reading the `cached` blocks."""
-        seq.num_computed_tokens = len(cached) * self.pool.block_size
-        length = self._chunk_length(seq, budget)
-        if not length:  # its first chunk needs more of the step than is left
-            seq.num_computed_tokens = 0
-            return None
-        needed = self.pool.blocks_for(seq.num_computed_tokens + length) - len(cached)
-        if seq.status == Status.PREEMPTED:
-            # Back only with room for all it had plus a block per running question: re-admitting it
-            # into a pool that cannot hold it would preempt it (or a neighbour) again at once.
-            needed = max(needed, self.pool.blocks_for(seq.num_tokens) - len(cached) + len(self.running))
-        if needed > self.pool.num_free - self.pool.idle_among(cached):
-            seq.num_computed_tokens = 0
-            return None
-        self.pool.share(seq.question_id, seq.block_ids, cached)
-        if not self.pool.grow(seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
-            raise RuntimeError(f"{seq.question_id}: the pool refused blocks it said it had")
-        seq.num_registered = len(cached)
-        seq.admitted_from = seq.num_computed_tokens
-        self.waiting.remove(seq)
-        seq.status = Status.RUNNING
-        seq.channel = heapq.heappop(self._free_channels)
-        if seq.admitted_at is None:  # a fake clock may read 0.0
-            seq.admitted_at = self.clock()
-            seq.cached_prompt_tokens = seq.num_computed_tokens
-            self.prompt_tokens_admitted += seq.num_prompt_tokens
-            self.cached_tokens_admitted += seq.num_computed_tokens
-        self.running.append(seq)
-        return self._chunk(seq, length)
-
-    def shared_prefix(self, seq: Sequence) -> list[bytes]:
-        """The chain of `seq`'s leading cached blocks (read-only, shareable), for the isolation audit."""
-        return shared_chain(self.pool, seq)
-
-    def _schedule_lingering(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_lingering(self, step: Filling) -> None:
         if not self.lingering:
             return
         if not self.running:  # the static batch has drained: now everyone leaves
@@ -295,46 +295,28 @@ class Scheduler:
             self.lingering.clear()
             return
         for seq in self.lingering:
-            length = self._chunk_length(seq, budget)
+            length = chunk_length(seq, step.budget, self.limits)
             if length > 0 and seq.num_tokens < self.max_tokens_per_question and self.pool.grow(
                     seq.question_id, seq.block_ids, seq.num_computed_tokens + length):
-                plan.chunks.append(self._chunk(seq, length))
-                budget -= length
+                step.add(new_chunk(seq, length), prompt=False)
 
-    def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute this step within `budget`; 0 when its next chunk does not fit."""
-        length = min(seq.num_uncomputed, budget)
-        if self.limits.split_roles:
-            prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
-            length = min(length, prompt_left if prompt_left > 0 else 1)
-        elif self.limits.prompt_chunk and seq.num_uncomputed > 1:
-            length = on_grid(seq.num_computed_tokens, seq.num_tokens, length, self.limits.prompt_chunk)
-        return length
-
-    def _chunk(self, seq: Sequence, length: int, draft: tuple[int, ...] = ()) -> Chunk:
-        start = seq.num_computed_tokens
-        return Chunk(seq=seq, start=start, length=length + len(draft), sample=start + length == seq.num_tokens,
-                     draft=draft)
-
+    # -- endings ---------------------------------------------------------------------------------------
     def _check_limits(self, seq: Sequence, token: int) -> None:
         if token in seq.params.stop_token_ids:
             self.finish(seq, Status.STOPPED)
         elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_tokens_per_question:
             self.finish(seq, Status.LENGTH)
 
-    def _expire_deadlines(self) -> None:
-        now = self.clock()
+    def _end_hopeless(self, now: float) -> None:
+        """End questions past their deadline, and waiting ones that could not meet it even if started now."""
         for seq in self.running + self.waiting:
-            if seq.deadline is not None and now >= seq.deadline:
-                if seq.awaits_adapter:  # never computed: the answer says why it is empty
-                    seq.error = (f"the question's deadline passed while it waited for adapter {seq.adapter!r} to "
-                                 f"get a resident slot (adapters.max_resident, every one in use)")
-                elif seq.admitted_at is None:
-                    seq.error = "the question's deadline passed while it waited for a place in the batch"
+            ending = deadline_ending(seq, now, self._fastest_prefill)
+            if ending is not None:
+                error, code = ending
+                seq.error, seq.error_code = error or seq.error, code or seq.error_code
                 self.finish(seq, Status.TIMEOUT)
 
-
-def _keep_order(seq: Sequence) -> tuple:
-    # Most important first; preemption takes from the end (lowest priority, then newest).
-    return (-seq.priority, seq.arrival)
-
+    def _fastest_prefill(self, seq: Sequence) -> float | None:
+        """The least time `seq`'s prompt takes here, at the fastest this worker plausibly runs."""
+        seconds = self.costs.prefill_seconds(seq.num_tokens, self.limits.max_tokens_per_step)
+        return None if seconds is None else FASTEST_PLAUSIBLE * seconds
