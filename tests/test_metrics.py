@@ -147,6 +147,13 @@ async def test_a_workload_moves_the_metrics_and_top_shows_them(model, capsys):
     assert {dict(ls)["mailbox"] for n, ls in scraped if n == "kev_mailbox_depth"} == {"engine.questions",
                                                                                        "engine.answers"}
     assert not [n for n, _ in scraped if n == "kev_errors_total"]  # no error code seen, so no series
+    # Unsigned questions are one anonymous principal; each computed its prompt and every token but its last.
+    computed = sum(a.usage.prompt_tokens + a.usage.completion_tokens - 1 for a in answers)
+    assert value(scraped, "kev_tenant_service_tokens_total", tenant="anonymous") == computed
+    assert value(scraped, "kev_tenant_service_share", tenant="anonymous") == 1.0
+    assert value(scraped, "kev_tenant_queue_seconds_count", tenant="anonymous") == count
+    assert value(scraped, "kev_tenant_throttled_total", tenant="anonymous") == 0
+    assert value(scraped, "kev_tenant_questions", tenant="anonymous", state="waiting") == 0
 
     assert seen["top_rc"] == 0, seen["frame"]
     frame = seen["frame"]

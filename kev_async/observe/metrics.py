@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
 from kev_async.observe.speculative_metrics import draft_counts, speculative_counts, speculative_families
 from kev_async.observe.structured_metrics import STRUCTURED_COUNTERS, structured_counts
+from kev_async.observe.tenant_metrics import tenant_families
 from kev_async.runtime.actors import Mailbox
 from schemas import AnswerEvent, FinishReason
 
@@ -216,6 +217,7 @@ class _LiveCollector:
         drafts = {key: self.retired_speculative.get(key, 0) + value for key, value in speculative_counts(core).items()}
         total = {key: self.retired[key] + counts[key] for key in ("generated", "forwards", "question_steps")}
         yield from speculative_families(drafts, total["generated"], total["forwards"], total["question_steps"])
+        yield from tenant_families(core)
         gauges = {}
         if core is not None:
             scheduler, pool = core.scheduler, core.pool
