@@ -146,6 +146,30 @@ def test_kev_bench_load_with_speculative_decoding_keeps_every_answer(tiny_model_
     assert all(p["completed"] == 5 and p["identical"] == 5 for p in result["points"])
 
 
+def test_token_gaps_pool_every_streamed_answer_and_compare_with_the_median():
+    outcomes = [Outcome("a", 0.0, 0.1, 1.0, 4, gaps=[0.1, 0.1, 0.1]), Outcome("b", 0.0, 0.2, 2.0, 3, gaps=[0.1, 1.0]),
+                Outcome("c", 0.0, gaps=[9.0])]  # never completed: its gaps are not counted
+    s = summarize(SystemRun("x", outcomes))
+    assert s["gap_p50_ms"] == pytest.approx(100) and s["gap_max_ms"] == pytest.approx(1000)
+    assert s["gap_max_over_p50"] == pytest.approx(10) and s["gap_p99_over_p50"] == pytest.approx(9.64)
+    assert summarize(SystemRun("static", [Outcome("a", 0.0, 0.1, 1.0, 4)]))["gap_p50_ms"] is None
+
+
+def test_kev_bench_load_streams_beside_long_prompts_at_two_chunk_sizes(tiny_model_dir, tmp_path, capsys):
+    """--streams: long answers decode while long prompts arrive; one Kev per --prompt-chunk-tokens value,
+    each with its token gaps, the same answers, and their ratios side by side."""
+    assert main(["bench", "load", "--model", str(tiny_model_dir), "--streams", "2", "--questions", "2", "--rate", "20",
+                 "--max-new-tokens", "24", "--max-prompt-tokens", "200", "--no-static", "--prompt-chunk-tokens",
+                 "16,0", "--threads", "2", "--output-json", str(tmp_path / "load.json"), "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    small, whole = "kev engine (prompt_chunk_tokens=16)", "kev engine (prompt_chunk_tokens=0)"
+    assert f"{small}: token gaps p99" in out and f"{small} vs {whole}: goodput" in out
+    points = {p["system"]: p for p in json.loads((tmp_path / "load.json").read_text())["points"]}
+    assert points[small]["completed"] == points[whole]["completed"] == 4
+    assert points[small]["identical"] == points[whole]["identical"] == 4
+    assert points[small]["gap_p50_ms"] > 0 and points[small]["gap_max_ms"] >= points[small]["gap_p99_ms"]
+
+
 @pytest.mark.kafka
 def test_kev_bench_load_via_kafka(tiny_model_dir, tmp_path, capsys):
     assert _load(tiny_model_dir, tmp_path, "--no-static", "--via-kafka", "--rates", "10", "--plot", "") == 0

@@ -16,8 +16,14 @@ The questions mix short ones with long ones (notes of up to --max-prompt-tokens 
 with answer budgets spread log-uniformly from --min-new-tokens to --max-new-tokens; greedy, stopping at
 EOS. The same seed gives the same questions at every rate; a sweep (--rates) only rescales the gaps.
 
+--streams N makes it a mixed load instead: N questions with long answers (--max-new-tokens each) decode
+from time 0 while --questions long prompts of --max-prompt-tokens tokens arrive at --rate from 1 s on: the
+inter-token gaps then show whether a prompt step stalls the streams (Kev's stall-free steps: give
+--prompt-chunk-tokens 128,2048 to run both step sizes side by side).
+
 Systems, each on the same trace, one after another:
-  kev engine        Kev's async Engine in process, tokens streamed (TTFT = first streamed text)
+  kev engine        Kev's async Engine in process, tokens streamed (TTFT = first streamed text); once per
+                    --prompt-chunk-tokens value when several are given
   transformers      generate() with static batches: a batch starts when --hf-batch-sizes questions wait or
                     the oldest has waited --hf-batch-timeout s; nothing joins until it ends. Every size is
                     run; the one with the best goodput is reported (the others are printed and in the JSON)
@@ -26,9 +32,10 @@ Systems, each on the same trace, one after another:
                     or /v1/completions with the prompt as Kev's token ids (--compare-api completions)
 
 Reported per system: goodput (tokens of completed answers / wall time from the first arrival to the last
-answer), TTFT p50/p99, end-to-end p50/p99 (s), and how many answers equal Kev's answer to the same
-question asked alone (batch size 1, greedy; cached next to the JSON). Servers that stream only text are
-compared on text.
+answer), TTFT p50/p99, end-to-end p50/p99 (s), the gaps between streamed pieces of one answer (p50, p99 and
+the worst, every streamed answer pooled), and how many answers equal Kev's answer to the same question
+asked alone (batch size 1, greedy; cached next to the JSON). Servers that stream only text are compared
+on text.
 """
 
 
@@ -67,6 +74,16 @@ def _rates(text: str) -> list[float]:
     return [_rate(part) for part in text.split(",") if part.strip()]
 
 
+def _chunk_sizes(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts like 128,2048") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: token counts are 0 or more")
+    return values
+
+
 def _add_trace_flags(group) -> None:
     group.add_argument("--rate", type=_rate, default=1.0, help="offered load, questions/s; 'inf' = all at once "
                                                                 "(default 1)")
@@ -80,6 +97,9 @@ def _add_trace_flags(group) -> None:
     group.add_argument("--long-fraction", type=float, default=0.4, help="share of questions with long notes "
                                                                         "(default 0.4)")
     group.add_argument("--max-prompt-tokens", type=int, default=1000, help="longest notes, in tokens (default 1000)")
+    group.add_argument("--streams", type=int, default=0, metavar="N",
+                       help="mixed load: N long answers decoding from time 0, then --questions long prompts of "
+                            "--max-prompt-tokens at --rate (default 0: the Poisson mix)")
     group.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                        help="every question starts with one common system prompt of N tokens (default 0); "
                             "whether Kev reuses it is --isolation's choice")
@@ -117,8 +137,9 @@ def _add_engine_flags(group) -> None:
     group.add_argument("--kv-dtype", default=None, help="KV cache precision, e.g. int8 (where Kev has it)")
     group.add_argument("--matmul", default=None, choices=("auto", "row_linear", "library"),
                        help="core.matmul: the CPU kernel for weight matmuls (default: auto)")
-    group.add_argument("--prompt-chunk-tokens", type=int, default=None,
-                       help="scheduler.prompt_chunk_tokens: prompt chunks end on this grid (0: anywhere; default 512)")
+    group.add_argument("--prompt-chunk-tokens", type=_chunk_sizes, default=None, metavar="N[,N...]",
+                       help="scheduler.prompt_chunk_tokens: the prompt a step carries while others decode (0: no "
+                            "limit); several values run Kev once with each, side by side (default: the engine's)")
     group.add_argument("--deterministic", action="store_true", default=None,
                        help="isolation.deterministic: bitwise-identical logits whatever shares the forward")
     group.add_argument("--speculative", choices=("off", "ngram", "draft_model"), default=None,

@@ -1,6 +1,6 @@
 """(a) Kev's async `Engine` in process, replaying a trace open-loop: each question is submitted at its
 arrival time whatever the engine is doing, and its latency counts from that scheduled time, so a late
-submitter cannot hide queueing. TTFT is the first streamed text."""
+submitter cannot hide queueing. TTFT is the first streamed text; the gaps are between streamed pieces."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from kev_async.bench.load.report import Outcome, SystemRun
 from kev_async.bench.load.trace import TraceQuestion, question_event
 
 
-def run_engine(model, options, trace: list[TraceQuestion]) -> SystemRun:
+def run_engine(model, options, trace: list[TraceQuestion], name: str = "kev engine") -> SystemRun:
     outcomes = anyio.run(_engine_trace, model, options, trace)
-    return SystemRun("kev engine", outcomes, {"max_batch_size": options.max_batch_size})
+    return SystemRun(name, outcomes, {"max_batch_size": options.max_batch_size})
 
 
 async def _engine_trace(model, options, trace: list[TraceQuestion]) -> list[Outcome]:
@@ -33,8 +33,9 @@ async def _engine_question(engine, q: TraceQuestion, t0: float, done: dict) -> N
     arrival = t0 + q.arrival_s
     await anyio.sleep_until(arrival)  # anyio's clock is time.monotonic() on asyncio and trio
     handle = await engine.submit(question_event(q), arrival=arrival)
-    first = None
+    pieces: list[float] = []  # when each piece of text came, as a streaming client sees it
     async for delta in engine.stream(handle):
-        if first is None and delta.text:  # what a streaming client sees first
-            first = time.monotonic()
-    done[q.qid] = Outcome.of_answer(q.qid, q.arrival_s, t0, handle.answer, first, time.monotonic())
+        if delta.text:
+            pieces.append(time.monotonic())
+    first = pieces[0] if pieces else None
+    done[q.qid] = Outcome.of_answer(q.qid, q.arrival_s, t0, handle.answer, first, time.monotonic(), pieces)

@@ -19,9 +19,9 @@ from kev_async.bench.load.kev_engine import run_engine
 from kev_async.bench.load.kev_kafka import run_kafka
 from kev_async.bench.load.openai_compatible import CompareUrlError, probe, run_openai
 from kev_async.bench.load.plot import plot_load
-from kev_async.bench.load.report import outcomes_json, ratios, summarize, table
+from kev_async.bench.load.report import gap_line, outcomes_json, ratios, summarize, table
 from kev_async.bench.load.solo_reference import solo_reference
-from kev_async.bench.load.trace import MixSpec, TraceQuestion, build_trace, prompt_ids
+from kev_async.bench.load.trace import MixSpec, TraceQuestion, build_trace, prompt_ids, stream_trace
 from kev_async.bench.load.transformers_static import best_static
 from kev_async.bench.machine import cpu_name
 from kev_async.bench.model import hf_model
@@ -41,6 +41,8 @@ def run_load(args: argparse.Namespace, out=print) -> dict:
         raise LoadBenchError("--questions must be 1 or more")
     if args.min_new_tokens > args.max_new_tokens:
         raise LoadBenchError("--min-new-tokens is above --max-new-tokens")
+    if getattr(args, "streams", 0) and args.duration is not None:
+        raise LoadBenchError("--streams takes --questions (the long prompts), not --duration")
     try:
         return LoadRun(args, engine_knobs(args), out).run()
     except (CompareUrlError, ValueError) as exc:
@@ -63,8 +65,8 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
         option_kwargs["prefix_caching"] = True
     if getattr(args, "deterministic", None):
         option_kwargs["deterministic"] = True
-    if getattr(args, "prompt_chunk_tokens", None) is not None:
-        option_kwargs["prompt_chunk_tokens"] = args.prompt_chunk_tokens
+    if getattr(args, "prompt_chunk_tokens", None):
+        option_kwargs["prompt_chunk_tokens"] = args.prompt_chunk_tokens[0]
     if getattr(args, "speculative", None):
         option_kwargs["speculative"] = args.speculative  # policy auto: EngineOptions' default
     for name in ("dtype", "weights", "kv_dtype", "matmul"):
@@ -94,6 +96,7 @@ class LoadRun:
         set_threads(self.args.threads)
         self.model = load_model(self.args.model, **self.load_kwargs)
         self.options = EngineOptions(**self.option_kwargs)
+        self.kev_variants = _kev_variants(self.options, getattr(self.args, "prompt_chunk_tokens", None))
         self.hf = None
         result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(),
                   "torch_threads": torch.get_num_threads(), "model": self.model.name, "dtype": str(self.model.dtype),
@@ -124,9 +127,13 @@ class LoadRun:
                      f"{summary['e2e_p50_s'] or 0:.2f} s")  # at once: a long run shows its progress
             result["outcomes"].append({"rate": _rate_value(rate), "system": run.name, "questions": outcomes_json(run)})
         self.out(table(summaries))
+        base = self.kev_variants[0][0]
         for summary in summaries:
-            if summary["system"] != KEV:
-                line = ratios(summaries, KEV, summary["system"])
+            line = gap_line(summary)
+            if line:
+                self.out(line)
+            if summary["system"] != base:
+                line = ratios(summaries, base, summary["system"])
                 if line:
                     self.out(line)
         result["points"] += summaries
@@ -137,6 +144,9 @@ class LoadRun:
         spec = MixSpec(max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, long_fraction=a.long_fraction,
                        max_prompt_tokens=a.max_prompt_tokens, shared_prefix_tokens=a.shared_prefix)
         count = a.questions if a.questions is not None or a.duration is not None else 256
+        if getattr(a, "streams", 0):
+            return stream_trace(self.model.tokenizer, streams=a.streams, prompts=count, rate=rate, seed=a.seed,
+                                spec=spec)
         return build_trace(self.model.tokenizer, rate=rate, seed=a.seed, spec=spec,
                            count=None if a.duration is not None else count, duration_s=a.duration)
 
@@ -148,8 +158,9 @@ class LoadRun:
 
     def _systems(self, trace, reference, result: dict, rate: float):
         """Each system in turn, the same trace; yields SystemRuns."""
-        self.out("running: kev engine")
-        yield run_engine(self.model, self.options, trace)
+        for name, options in self.kev_variants:
+            self.out(f"running: {name}")
+            yield run_engine(self.model, options, trace, name)
         if not self.args.no_static:
             self.out(f"running: transformers static batching, sizes {self.args.hf_batch_sizes}")
             self.hf = self.hf or hf_model(self.model)
@@ -174,6 +185,14 @@ class LoadRun:
                  f"<= {self.args.max_new_tokens} new tokens, greedy")
         if plot_load(points, self.args.plot, title):
             self.out(f"plot written to {self.args.plot}")
+
+
+def _kev_variants(options: EngineOptions, chunk_sizes: list[int] | None) -> list[tuple[str, EngineOptions]]:
+    """Kev's engine once per --prompt-chunk-tokens value (named by it when there are several)."""
+    if not chunk_sizes or len(chunk_sizes) == 1:
+        return [(KEV, options)]
+    return [(f"{KEV} (prompt_chunk_tokens={n})", dataclasses.replace(options, prompt_chunk_tokens=n))
+            for n in chunk_sizes]
 
 
 def trace_stats(model, trace: list[TraceQuestion]) -> dict:

@@ -71,6 +71,18 @@ LONG_TASKS = [
     "Explain the notes above to a twelve-year-old.",
 ]
 
+# --streams: questions whose answers run long, decoding while the long prompts arrive
+STREAM_TASKS = [
+    "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in detail how a steam engine works, step by step, with examples.",
+    "Write a long letter from a traveller describing a journey across the mountains.",
+    "Describe, in as much detail as you can, a day in the life of a medieval baker.",
+    "Write a detailed guide to planting and caring for a vegetable garden.",
+    "Tell a long story about two friends who build a boat and sail around an island.",
+    "Explain the history of the printing press and how it changed the world, in detail.",
+    "Write a long essay about why people have always looked at the stars.",
+]
+
 SYSTEM_PROMPT_TEXT = (
     "You are the assistant of a public library's help desk. Answer the visitor's question politely, "
     "accurately and briefly. If you do not know the answer, say so and suggest where the visitor could "

@@ -1,7 +1,8 @@
 """The arrival trace of `kev bench load`: which questions come, when, with what answer budget.
 
 Arrivals are a Poisson process (exponential gaps) at `rate` questions/s, or all at time 0 when the rate
-is infinite. The question mix and the budgets are drawn from their own seeded generator, so the same
+is infinite; `stream_trace` puts long answers decoding first and long prompts after them (--streams).
+The question mix and the budgets are drawn from their own seeded generator, so the same
 seed gives the same questions at every rate: a sweep over rates only rescales the gaps. Each trace
 question becomes the QuestionEvent (and the prompt token ids) every Kev system is given.
 """
@@ -13,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from engine.prompt import encode_prompt
-from kev_async.bench.load.texts import LONG_TASKS, PASSAGES, SYSTEM_PROMPT_TEXT
+from kev_async.bench.load.texts import LONG_TASKS, PASSAGES, STREAM_TASKS, SYSTEM_PROMPT_TEXT
 from kev_async.sample_questions import QUESTIONS
 from schemas import Params, QuestionEvent
 
@@ -25,7 +26,7 @@ class TraceQuestion:
     prompt: str
     system: str | None
     max_new_tokens: int
-    kind: str  # "short" | "long"
+    kind: str  # "short" | "long" | "stream"
 
 
 def question_event(q: TraceQuestion, *, stream: bool = False) -> QuestionEvent:
@@ -126,3 +127,21 @@ def build_trace(tokenizer, *, rate: float, seed: int, spec: MixSpec, count: int 
     mix = QuestionMix(tokenizer, spec)
     return [TraceQuestion(f"load-{i}", arrival, prompt, mix.system, budget, kind)
             for i, (arrival, (kind, prompt, budget)) in enumerate(zip(arrivals, mix.draw(len(arrivals), seed)))]
+
+
+STREAMS_LEAD_S = 1.0  # the streams are decoding when the first long prompt arrives
+
+
+def stream_trace(tokenizer, *, streams: int, prompts: int, rate: float, seed: int,
+                 spec: MixSpec) -> list[TraceQuestion]:
+    """Mixed load (--streams): `streams` questions whose answers run long (spec.max_new_tokens each) at time 0,
+    then `prompts` long prompts of spec.max_prompt_tokens tokens at `rate` from STREAMS_LEAD_S on, answer
+    budgets as the mix draws them: what a step that prefills a long prompt does to streams decoding."""
+    rng = random.Random(f"streams-{seed}")
+    mix = QuestionMix(tokenizer, spec)
+    trace = [TraceQuestion(f"stream-{i}", 0.0, STREAM_TASKS[i % len(STREAM_TASKS)], mix.system, spec.max_new_tokens,
+                           "stream") for i in range(streams)]
+    for i, arrival in enumerate(poisson_arrivals(prompts, rate, seed)):
+        trace.append(TraceQuestion(f"long-{i}", STREAMS_LEAD_S + arrival, mix.long_prompt(spec.max_prompt_tokens, rng),
+                                   mix.system, budget(spec, rng), "long"))
+    return trace
