@@ -14,7 +14,7 @@ import argparse
 from importlib import import_module
 
 BENCHES: tuple[str, ...] = ("engine", "lora", "scaling", "kafka", "load", "gateway", "routing", "precision",
-                            "step", "structured", "spec", "peer", "isolation")
+                            "step", "structured", "spec", "peer", "isolation", "fairness")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,12 @@
+"""`kev bench fairness`: tenants sharing one engine, policy fair against FCFS, side by side in one run.
+
+command.py      the flags (`register`, what `kev --help` imports) and the error boundary
+scenarios.py    who asks what and when: a small tenant beside a flood; two backlogged tenants by weight
+in_process.py   a scenario through Kev's async Engine in this process, each question under its tenant's
+                principal (a path through Kafka takes the same Scenario and gives the same Outcomes)
+run.py          one invocation: each scenario under each policy, then the tables and the JSON result
+"""
+
+from kev_async.bench.fairness.command import register
+
+__all__ = ["register"]
