@@ -122,9 +122,11 @@ class Sharing:
             lanes = Lanes(lambda _: 0.0)
             lanes.add(None, admission_order(waiting, running, self.policy, length_aware))
             return lanes
+        by_principal: dict[Principal, list[Sequence]] = {}
+        for seq in waiting:
+            by_principal.setdefault(seq.principal, []).append(seq)
         lanes = Lanes(self.fair.counter)
-        for principal in dict.fromkeys(s.principal for s in waiting):
-            mine = [s for s in waiting if s.principal == principal]
+        for principal, mine in by_principal.items():
             lanes.add(principal, admission_order(mine, running, "fair", length_aware))
         return lanes
 
