@@ -27,3 +27,36 @@ def test_a_bad_config_key_is_one_line_per_problem(capsys, tmp_path):
         assert main([command, "--config", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"kev {command}: {bad}: core.nosuch: unknown key") and "Traceback" not in err
+
+
+def _kev(*args: str, **env: str):
+    import subprocess
+
+    from serve_fixtures import KEV, ROOT, kev_env
+
+    return subprocess.run([str(KEV), *args], cwd=ROOT, env=kev_env(**env), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_port_taken_or_no_broker_is_one_line_before_the_model_loads():
+    """Said before anything starts: exit 1 (the host refuses the start, not the config), one line. Found after
+    the model loaded, each was a traceback of 40 to 120 lines."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [
+            (("serve",), {"KEV_METRICS__PORT": port},
+             f"kev serve: cannot listen on 127.0.0.1:{port} for the metrics endpoint (Address already in use); "
+             "set metrics.port"),
+            (("serve", "--bootstrap-servers", "127.0.0.1:1"), {},
+             "kev serve: cannot reach the brokers at 127.0.0.1:1 (127.0.0.1:1: Connection refused)"),
+            (("demo", "--http", "--port", port), {},
+             f"kev demo: cannot listen on 127.0.0.1:{port} for the gateway (Address already in use)"),
+        ]
+        for args, env, said in cases:
+            done = _kev(*args, **env)
+            assert (done.returncode, done.stderr.count("\n")) == (1, 1), done.stderr
+            assert done.stderr.startswith(said), done.stderr

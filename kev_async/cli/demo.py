@@ -47,6 +47,9 @@ def _demo(args: argparse.Namespace) -> int:
     if args.http and (refused := _gateway_refusal(cfg)):
         print(f"kev demo: {refused}", file=sys.stderr)
         return 2
+    if args.http and (taken := _port_taken(cfg)):
+        print(f"kev demo: {taken}", file=sys.stderr)
+        return 1
     demo = partial(run_demo, cfg, num_questions=args.questions, max_new_tokens=args.max_new_tokens, http=args.http)
     return anyio.run(partial(run_service, demo), backend="asyncio")
 
@@ -62,6 +65,12 @@ def _metrics_port(metrics: MetricsConfig) -> int:
         except OSError:
             probe.bind((metrics.host, 0))
         return probe.getsockname()[1]
+
+
+def _port_taken(cfg) -> str | None:
+    from kev_async.cli.preflight import port_problem
+
+    return port_problem(cfg.gateway.host, cfg.gateway.port, "the gateway", "choose another --port (0: any free port)")
 
 
 def _gateway_refusal(cfg) -> str | None:

@@ -88,6 +88,9 @@ def _gateway(args: argparse.Namespace) -> int:
     if refused:
         print(f"kev gateway: {refused}", file=sys.stderr)
         return 2
+    if problem := _start_problem(cfg):
+        print(f"kev gateway: {problem}", file=sys.stderr)
+        return 1
     from kev_async.logs import configure_logging  # structlog and rich: not loaded for `kev --help`
     configure_logging(cfg.logging.level, cfg.logging.json)
     if cfg.gateway.processes == 1:
@@ -102,6 +105,15 @@ def _gateway(args: argparse.Namespace) -> int:
             raise
         print(f"kev gateway: {'; '.join(str(error) for error in exited.exceptions)}", file=sys.stderr)
         return 1
+
+
+def _start_problem(cfg) -> str | None:
+    """The port taken or no broker answering, said before anything starts (kev_async/cli/preflight.py)."""
+    from kev_async.cli.preflight import broker_problem, port_problem
+
+    return (port_problem(cfg.gateway.host, cfg.gateway.port, "the gateway",
+                         "choose another --port / gateway.port (0: any free port)")
+            or broker_problem(cfg.kafka.bootstrap_servers))
 
 
 def _refusal(cfg) -> str | None:

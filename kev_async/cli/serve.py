@@ -10,7 +10,7 @@ import anyio
 import msgspec
 
 from kev_async.cli._shared import add_config_and_model, load_service_config
-from schemas import DEFAULT_CONFIG
+from schemas import DEFAULT_CONFIG, EMBEDDED_BROKER
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
     if (refused := _http_refusal(cfg, args)) is not None:
         print(f"kev serve: {refused}", file=sys.stderr)
         return 2
+    if (problem := _start_problem(cfg)) is not None:
+        print(f"kev serve: {problem}", file=sys.stderr)
+        return 1
     if cfg.deploy.mode == "multi":
         return _serve_multi(cfg, args)
     service = partial(serve, cfg)
@@ -81,6 +84,20 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_KAFKA_FAILED  # kev.kafka_failed has said why, in one line
     except KafkaLoopFailed:
         return EXIT_KAFKA_FAILED
+
+
+def _start_problem(cfg) -> str | None:
+    """A port or a broker that will fail the start, found before the model loads (kev_async/cli/preflight.py)."""
+    from kev_async.cli.preflight import broker_problem, port_problem
+
+    if cfg.deploy.mode != "multi":  # multi: each worker serves its metrics on port + i
+        taken = port_problem(cfg.metrics.host, cfg.metrics.port, "the metrics endpoint",
+                             "set metrics.port (KEV_METRICS__PORT) to a free port, or 0 for no metrics")
+        if taken:
+            return taken
+    if cfg.kafka.bootstrap_servers == EMBEDDED_BROKER:
+        return None
+    return broker_problem(cfg.kafka.bootstrap_servers)
 
 
 def _serve_multi(cfg, args: argparse.Namespace) -> int:
