@@ -9,6 +9,7 @@ def test_bench_isolation_counts_answers_identical_alone_and_packed(tiny_model_di
     assert main(["bench", "isolation", "--model", str(tiny_model_dir), "--questions", "3", "--seeded", "1",
                  "--max-new-tokens", "4", "--variants", "fp32,bf16", "--threads", "2"]) == 0
     out = capsys.readouterr().out
+    assert '"event"' not in out and "[info" not in out and "[debug" not in out  # stdout is the table; logs: stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in out.splitlines() if line.startswith("| fp32") or line.startswith("| bf16")}
     assert set(rows) == {"fp32", "bf16"}

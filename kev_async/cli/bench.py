@@ -24,3 +24,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name in BENCHES:
         import_module(f"kev_async.bench.{name}").register(kinds)
+    for parser in kinds.choices.values():
+        parser.add_argument("-v", "--verbose", action="store_true",
+                            help="log at info on stderr (default: warnings only, so stdout is the table alone)")
+        parser.set_defaults(func=_quiet_unless_verbose(parser.get_default("func")))
+
+
+def _quiet_unless_verbose(func):
+    """Run a benchmark with structlog configured (JSON or console lines on stderr, never on stdout beside
+    the table) at warning, or info with -v; the level is restored after, as tests run benchmarks in process."""
+    def run(args: argparse.Namespace) -> int:
+        from kev_async.logs import quieted  # structlog: not for `kev --help`
+
+        with quieted("info" if args.verbose else "warning"):
+            return func(args)
+    return run

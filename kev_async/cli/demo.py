@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--http", action="store_true", help="also start `kev gateway` and keep serving until Ctrl-C")
     demo.add_argument("--port", type=int, default=None, help="the gateway's port with --http (default gateway.port, "
                                                              f"{DEFAULT_CONFIG.gateway.port}; 0 = any free port)")
+    demo.add_argument("-v", "--verbose", action="store_true",
+                      help="the worker's log lines on stderr at logging.level (default: warnings only, so the "
+                           "terminal shows the answers)")
     demo.set_defaults(func=_demo)
 
 
@@ -37,6 +40,10 @@ def _demo(args: argparse.Namespace) -> int:
     from kev_async.runtime.lifecycle import run_service
 
     cfg = load_service_config(args)
+    if not args.verbose and cfg.logging.level in ("debug", "info"):
+        from kev_async.logs import configure_logging
+
+        configure_logging("warning", cfg.logging.json)
     if cfg.kafka.bootstrap_servers != EMBEDDED_BROKER:
         print("kev demo: runs on the embedded broker only (kafka.bootstrap_servers: embedded)", file=sys.stderr)
         return 2
