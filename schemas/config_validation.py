@@ -42,13 +42,20 @@ def config_from_dict(data: Any) -> KevConfig:
             config = msgspec.convert(data, KevConfig)
             break
         except msgspec.ValidationError as error:
-            problems.append(explain(error, data, KevConfig))
+            problems.append(_with_yaml_hint(*explain(error, data, KevConfig)))
             # msgspec stops at the first error; drop that key and look again so one run lists all.
             if not _remove_key(data, problems[-1][0]):
                 break
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _with_yaml_hint(path: str, reason: str) -> tuple[str, str]:
+    # YAML 1.1 reads an unquoted off/on/no/yes as a boolean: `method: off` arrives as false.
+    if reason.startswith("expected str") and reason.endswith(("got bool true", "got bool false")):
+        reason += " (YAML reads unquoted off, on, no and yes as booleans: quote the word, e.g. 'off')"
+    return path, reason
 
 
 def _remove_key(data: dict, dotted: str) -> bool:

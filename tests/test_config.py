@@ -49,6 +49,13 @@ def test_broken_yaml_names_the_line(tmp_path):
         load_config(write(tmp_path, "scheduler:\n  policy: a: b\n"), env={})
 
 
+def test_an_unquoted_off_is_told_to_be_quoted(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, "speculative:\n  method: off\n"), env={})
+    assert problems(error) == {"speculative.method": "expected str, got bool false (YAML reads unquoted off, on, no "
+                                                     "and yes as booleans: quote the word, e.g. 'off')"}
+
+
 def test_example_config_loads_and_documents_every_key():
     cfg = load_config(EXAMPLE, env={})
     assert cfg == KevConfig()  # the example spells out the defaults
