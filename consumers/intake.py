@@ -17,6 +17,13 @@
 
 Backpressure: above the inbox's high watermark every assigned partition is paused; below the low
 watermark they resume. Paused partitions are not fetched, so memory stays bounded.
+
+Read-ahead: at most `read_ahead` records of one partition are in flight (fetched, their outcome not yet
+acked); a fetch that brought more leaves the rest for later (the partition is sought back to the first
+of them and paused until an answer settles one of its records). So one principal's backlog in a
+partition takes a bounded share of what the engine holds, and the questions behind it, or on other
+partitions, reach the engine, whose scheduler picks among them (policy fair: the least-served principal).
+Offsets are still committed only up to the last contiguous settled record (offsets.py).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class Intake:
         watermarks: Watermarks,
         *,
         max_records: int = 64,
+        read_ahead: int | None = None,  # records in flight per partition; None: the watermarks alone
         poll_timeout_ms: int = 100,
         trust: TrustConfig = TrustConfig(),
         limits: LimitsConfig = LimitsConfig(),
@@ -93,12 +101,14 @@ class Intake:
         self.questions_out = questions_out
         self.watermarks = watermarks
         self.max_records = max_records
+        self.read_ahead = read_ahead
         self.poll_timeout_ms = poll_timeout_ms
         self.gate = QuestionGate(trust)
         self.reply_topic_pattern = re.compile(trust.reply_topic_pattern)
         self.limits = limits
         self.clock = clock or PublishClock(None, head_records=max_records)
-        self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0}
+        self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0,
+                       "read_ahead_pauses": 0}
         self.fetched_at = 0.0  # time.time() when the batch being handled came back from the broker
 
     async def run(self) -> None:
@@ -118,11 +128,25 @@ class Intake:
         self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
         self.fetched_at = time.time()
         epoch = self.listener.epoch
-        for records in batch.values():
+        for partition, records in batch.items():
             for record in records:
                 if self.listener.epoch != epoch:
                     return  # a rebalance reset positions: the rest is fetched again from the commit point
+                if not self._has_room(partition):
+                    self._read_later(partition, record.offset)
+                    break
                 await self._handle(record)
+
+    def _has_room(self, partition: TopicPartition) -> bool:
+        """Whether `partition` has fewer than `read_ahead` records in flight."""
+        return self.read_ahead is None or self.tracker.in_flight_at(partition) < self.read_ahead
+
+    def _read_later(self, partition: TopicPartition, offset: int) -> None:
+        """Leave `partition`'s records from `offset` on for a later fetch, once its window has room."""
+        self.consumer.seek(partition, offset)
+        if partition not in self.consumer.paused():
+            self.consumer.pause(partition)
+            self.counts["read_ahead_pauses"] += 1
 
     async def _handle(self, record: ConsumerRecord) -> None:
         position = Position(record.topic, record.partition, record.offset)
@@ -220,15 +244,24 @@ class Intake:
         return False
 
     def _apply_backpressure(self) -> int:
+        """Pause every partition while the inbox is above its watermark, else those at their read-ahead
+        window; resume the others. Returns the inbox's depth."""
         used = self.questions_out.statistics().current_buffer_used
-        if self.watermarks.update(used):
-            unpaused = self.consumer.assignment() - self.consumer.paused()
-            if unpaused:
-                self.consumer.pause(*unpaused)
+        was_full = self.watermarks.paused
+        inbox_full = self.watermarks.update(used)
+        assigned = self.consumer.assignment()
+        hold = set(assigned) if inbox_full else {tp for tp in assigned if not self._has_room(tp)}
+        paused = self.consumer.paused()
+        if pause := hold - paused:
+            self.consumer.pause(*pause)
+            if inbox_full:
                 self.counts["pauses"] += 1
-                log.info("partitions_paused", partitions=len(unpaused), inbox=used)
-        elif paused := self.consumer.paused():
-            self.consumer.resume(*paused)
-            self.counts["resumes"] += 1
-            log.info("partitions_resumed", partitions=len(paused), inbox=used)
+                log.info("partitions_paused", partitions=len(pause), inbox=used)
+            else:
+                self.counts["read_ahead_pauses"] += 1
+        if resume := paused - hold:
+            self.consumer.resume(*resume)
+            if was_full and not inbox_full:
+                self.counts["resumes"] += 1
+                log.info("partitions_resumed", partitions=len(resume), inbox=used)
         return used

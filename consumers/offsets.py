@@ -87,6 +87,11 @@ class OffsetTracker:
         """Tracked records whose outcome is not acked yet, over all partitions."""
         return sum(len(state.outstanding) for state in self._partitions.values())
 
+    def in_flight_at(self, partition: Partition) -> int:
+        """Tracked records of one partition whose outcome is not acked yet."""
+        state = self._partitions.get(Partition(*partition))
+        return 0 if state is None else len(state.outstanding)
+
     def partitions(self) -> frozenset[Partition]:
         return frozenset(self._partitions)
 

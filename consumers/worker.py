@@ -77,8 +77,9 @@ class KafkaStatistics:
     deltas: int
     dead_letters: int
     commits: int
-    pauses: int
+    pauses: int  # every partition paused: the engine's inbox was full
     resumes: int
+    read_ahead_pauses: int = 0  # a partition paused at its read-ahead window (kafka.read_ahead)
     abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
     clock_skew_ms: float = 0.0  # the latest apparent skew of a producer's clock at a partition's head (publish_clock.py)
     untrusted_timestamps: int = 0  # fresh questions whose stamp was older than their timeout: timed from arrival
@@ -100,6 +101,7 @@ class KafkaWorker:
         low_watermark: int | None = None,
         dedup_capacity: int = 10_000,
         max_records: int = 64,
+        read_ahead: int | None = None,  # records in flight per partition; default: cfg.read_ahead (None: no window)
         shutdown_timeout: float = 10.0,
         create_topics: bool = True,
         consumer_options: Mapping[str, Any] | None = None,  # extra AIOKafkaConsumer kwargs
@@ -118,6 +120,7 @@ class KafkaWorker:
         self.watermarks = Watermarks.for_buffer(questions_out.statistics().max_buffer_size,
                                                 high_watermark, low_watermark)
         self.max_records = max_records
+        self.read_ahead = cfg.read_ahead if read_ahead is None else read_ahead
         self.shutdown_timeout = shutdown_timeout
         self.create_topics = create_topics
         self.consumer_options = dict(consumer_options or {})
@@ -209,7 +212,7 @@ class KafkaWorker:
 
     def statistics(self) -> KafkaStatistics:
         intake = self._intake.counts if self._intake else dict.fromkeys(
-            ("records", "questions", "duplicates", "pauses", "resumes"), 0)
+            ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_pauses"), 0)
         published = self._publisher.counts if self._publisher else dict.fromkeys(
             ("answers", "error_answers", "deltas", "dead_letters", "abandoned"), 0)
         consumer, committer = self.consumer, self.committer
@@ -236,7 +239,8 @@ class KafkaWorker:
                 self.listener.before_commit = publisher.quiesce  # acks in flight are committed on revocation
                 self._intake = Intake(self.consumer, self.listener, self.tracker, self.ledger, publisher,
                                       self._settled, self.questions_out, self.watermarks,
-                                      max_records=self.max_records, trust=self.cfg.trust,
+                                      max_records=self.max_records, read_ahead=self.read_ahead,
+                                      trust=self.cfg.trust,
                                       limits=self.cfg.limits, clock=self.clock)
                 tg.start_soon(self.committer.run)
                 tg.start_soon(self._run_intake)

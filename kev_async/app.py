@@ -105,6 +105,7 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
         # rotation half done), so it refuses to start, naming them (consumers/control_history.py).
         await refuse_unverifiable(kafka_cfg)
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options,
+                             read_ahead=cfg.kafka.read_ahead or cfg.router.max_parallel_queries,
                              default_timeout_ms=cfg.aggregator.timeout_ms)
         metrics.watch_kafka(worker)
         kafka_watch = KafkaLoopWatch(shutdown)

@@ -256,6 +256,11 @@ class KafkaConfig(_Section):
     # How long a question fetch may wait for records. Kafka answers a fetch as soon as a record is
     # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
     fetch_max_wait_ms: Positive = 500
+    # Records of one questions partition a worker reads ahead of their answers (fetched, not yet answered);
+    # at it the partition is paused until an answer settles one. None = router.max_parallel_queries: a
+    # partition's backlog fills one batch and leaves the rest of the channel pool to the others, and a
+    # question behind it in the same partition is read once the backlog is within this of its end.
+    read_ahead: Positive | None = None
     # Every topic Kev creates (reply topics too): -1 = the broker's default.replication.factor.
     replication_factor: Annotated[int, Meta(ge=-1, le=32)] = -1
     # min.insync.replicas of the topics Kev creates; None = the broker's default. With acks=all an answer

@@ -25,6 +25,14 @@ def test_nothing_is_committable_until_an_outcome_is_acked():
     assert tracker.in_flight() == 3
 
 
+def test_in_flight_at_counts_one_partition_s_unacked_records_done_out_of_order_or_not():
+    tracker = tracked(0, 1, 2)
+    tracker.track(P1, 5)
+    tracker.done(P0, 2)  # behind unfinished 0 and 1: not committable, but no longer in flight
+    assert (tracker.in_flight_at(P0), tracker.in_flight_at(P1)) == (2, 1)
+    assert tracker.in_flight_at(Partition("kev.questions", 7)) == 0
+
+
 def test_commit_position_is_offset_plus_one_of_the_last_contiguous_done():
     tracker = tracked(0, 1, 2)
     tracker.done(P0, 0)

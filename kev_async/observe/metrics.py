@@ -239,7 +239,8 @@ class _LiveCollector:
     def _kafka_families(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily("kev_kafka_in_flight", "Fetched records whose outcome is not acked yet.")
         assigned = GaugeMetricFamily("kev_kafka_assigned_partitions", "Partitions assigned to this worker.")
-        paused = GaugeMetricFamily("kev_kafka_paused_partitions", "Partitions paused by backpressure.")
+        paused = GaugeMetricFamily("kev_kafka_paused_partitions", "Partitions paused by backpressure "
+                                   "(the engine's inbox full, or the partition at its read-ahead window).")
         lag = GaugeMetricFamily("kev_consumer_lag", "Records on the broker not yet fetched (highwater - position).",
                                 labels=["topic", "partition"])
         records = CounterMetricFamily("kev_kafka_records", "Question records fetched.")
