@@ -8,4 +8,5 @@ demo: setup
 	.venv/bin/kev demo
 
 test: setup
+	@echo "kev: the test suite, about 15 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q

