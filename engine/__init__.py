@@ -3,7 +3,7 @@
 from engine.adapters.files import AdapterError, LoraAdapter
 from engine.core import EngineCore
 from engine.engine import Engine
-from engine.intake import QuestionRejected
+from engine.rejection import QuestionRejected
 from engine.model.model import Model, load_model
 from engine.options import EngineOptions
 from engine.output.handle import Handle

@@ -7,27 +7,18 @@ a huge prompt's chat template and tokenizer never hold up the device thread's ne
 
 from __future__ import annotations
 
-import difflib
-
 from engine.adapters.files import AdapterError, LoraAdapter
 from engine.adapters.pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.prompt import encode_prompt
-from schemas import Params, QuestionEvent
+from engine.rejection import QuestionRejected
+from engine.unknown_fields import unknown_fields
+from schemas import QuestionEvent
 
-_QUESTION_KEYS = frozenset(QuestionEvent.__struct_encode_fields__) - {"unknown_fields"}
-_PARAMS_KEYS = frozenset(Params.__struct_encode_fields__)
+__all__ = ["QuestionRejected", "acquire_adapter", "prepare_prompt", "prompt_chars", "unknown_fields"]
 
 # A token is rarely more than a few characters; a prompt with more than this many per token of the
 # engine's limit is refused before tokenizing, so tokenizing time stays bounded whatever arrives.
 CHARS_PER_TOKEN = 8
-
-
-class QuestionRejected(Exception):
-    """The question cannot run; it gets an error answer with this code."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
 
 
 def prompt_chars(question: QuestionEvent) -> int:
@@ -60,25 +51,6 @@ def prepare_prompt(tokenizer, question: QuestionEvent, max_tokens: int) -> list[
                                f"at most {most_prompt_tokens} (a context of {max_tokens} tokens, one kept for "
                                f"the answer)")
     return prompt_ids
-
-
-def unknown_fields(question: QuestionEvent, policy: str) -> tuple[str, ...]:
-    """The keys to list in the answer's audit (`intake.unknown_fields`): all of them when reporting, none
-    when ignoring; rejecting raises QuestionRejected (invalid_field) naming them."""
-    names = question.unknown_fields
-    if not names or policy == "ignore":
-        return ()
-    if policy == "reject":
-        raise QuestionRejected("invalid_field", "unknown keys (intake.unknown_fields: reject): " + ", ".join(
-            _with_hint(name) for name in names))
-    return names
-
-
-def _with_hint(name: str) -> str:
-    prefix, _, key = name.rpartition(".")
-    known = _PARAMS_KEYS if prefix == "params" else _QUESTION_KEYS
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f"{name} (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else name
 
 
 def acquire_adapter(loras: LoraPool, name: str | None) -> LoraAdapter | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 import structlog
 
+from engine.unknown_fields import unknown_fields
 from schemas import Params, QuestionEvent
 from schemas.questions import MAX_UNKNOWN_FIELDS
 
@@ -68,8 +69,6 @@ def _unknown_keys(item, params: dict) -> list[str]:
 
 
 def _refuse_or_report(question: QuestionEvent, names: list[str], policy: str) -> None:
-    from engine.intake import unknown_fields  # not at the top: intake imports this module
-
     found = msgspec.structs.replace(question, unknown_fields=tuple(names))
     if unknown_fields(found, policy):  # raises QuestionRejected when the policy is reject
         log.warning("question.unknown_fields", question_id=question.question_id, fields=names, policy=policy)

@@ -15,7 +15,7 @@ from engine.constrain.grammars import GrammarCache
 from engine.constrain.masks import MaskWorker, RowMasks
 from schemas.constraint import InvalidConstraint, spec_of
 from engine.constrain.state import Constraint
-from engine.intake import QuestionRejected
+from engine.rejection import QuestionRejected
 from schemas import QuestionEvent
 
 
