@@ -8,6 +8,8 @@ from schemas.answers import (
     ErrorInfo,
     FinishReason,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     decode_answer,
     decode_delta,
@@ -64,6 +66,7 @@ from schemas.response_format import (
     TextFormat,
 )
 from schemas.routing import RoutingStrategy
+from schemas.samples import MAX_SAMPLES, MAX_TOP_LOGPROBS, sample_seed
 from schemas.wire import SCHEMA_VERSION, SUPPORTED_SCHEMAS, UndecodableEvent, encode
 
 __all__ = [
@@ -80,6 +83,11 @@ __all__ = [
     "AttentionBackend",
     "BrokerConfig",
     "AnswerDelta",
+    "TokenLogprob",
+    "TopLogprob",
+    "MAX_SAMPLES",
+    "MAX_TOP_LOGPROBS",
+    "sample_seed",
     "AnswerEvent",
     "Audit",
     "ConfigError",

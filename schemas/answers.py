@@ -63,6 +63,23 @@ class Audit(Struct, frozen=True):
     normalized: bool = False  # router.normalize changed the question's user text before it was tokenized
 
 
+class TopLogprob(Struct, frozen=True):
+    """One of the most likely tokens at an answer's place: its text (alone, as decoded), id and logprob."""
+
+    token: str
+    id: int
+    logprob: float
+
+
+class TokenLogprob(Struct, frozen=True, omit_defaults=True):
+    """An answer token's logprob (params.logprobs) and the top alternatives there, most likely first."""
+
+    token: str
+    id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 class AnswerEvent(Struct, frozen=True):
     question_id: str
     request_id: str | None = None
@@ -80,6 +97,10 @@ class AnswerEvent(Struct, frozen=True):
     # True when the answer had a response_format and ended before its grammar was complete (max_new_tokens,
     # a stop string, a timeout): the text does not parse as asked.
     incomplete: bool = False
+    # Which of the question's params.n samples this is (0..n-1); each sample is an answer event of its own.
+    index: int = 0
+    # One per token of token_ids, when params.logprobs asked (cut with them when the answer is truncated).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class AnswerDelta(Struct, frozen=True):
@@ -90,6 +111,8 @@ class AnswerDelta(Struct, frozen=True):
     # The worker's attempt at the question (its answer's audit.attempt). A question redelivered to another
     # worker streams again under a new attempt, from seq 0: a reader relays one attempt's deltas only.
     attempt: str = ""
+    index: int = 0  # the sample it belongs to (params.n); seq counts within the sample
+    logprobs: tuple[TokenLogprob, ...] | None = None  # those of the tokens settled since the sample's last delta
 
 
 _ANSWER_DECODER = msgspec.json.Decoder(AnswerEvent)

@@ -31,6 +31,7 @@ from schemas._validation import (
 )
 from schemas.config import LimitsConfig
 from schemas.response_format import ResponseFormat, constraint_chars
+from schemas.samples import MAX_SAMPLES, MAX_TOP_LOGPROBS
 from schemas.wire import (
     ANY_DECODER,
     SCHEMA_VERSION,
@@ -49,6 +50,8 @@ Text = Annotated[str, Meta(max_length=TEXT_CHARS_CEILING)]
 TopicName = Annotated[str, Meta(max_length=TOPIC_CHARS_CEILING)]
 Priority = Annotated[int, Meta(ge=-100, le=100)]
 TimeoutMs = Annotated[int, Meta(ge=1, le=86_400_000)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Samples = Annotated[int, Meta(ge=1, le=MAX_SAMPLES)]
 
 
 class Message(Struct, frozen=True):
@@ -67,6 +70,14 @@ class Params(Struct, frozen=True, omit_defaults=True):
     seed: Seed | None = None
     stop: StopStrings = ()
     response_format: ResponseFormat | None = None  # JSON schema, JSON object, regex or grammar (docs/structured.md)
+    # Per answer token its logprob, and the top_logprobs most likely tokens at that place: of the model's raw
+    # distribution (before temperature, penalty, top-k/p and response_format), or "processed": the one drawn from
+    logprobs: bool = False
+    top_logprobs: TopLogprobs = 0
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    n: Samples = 1  # answers to draw, each its own seeded sample (schemas/samples.py), each its own event
+    # n > 1 at temperature 0 draws n identical answers: refused unless this says that is meant
+    allow_identical_samples: bool = False
 
 
 class QuestionEvent(Struct, frozen=True, omit_defaults=True):
@@ -228,11 +239,31 @@ def _check_bounds(question: QuestionEvent, limits: LimitsConfig) -> None:
         raise InvalidQuestion(question.question_id, request_id, "invalid_field",
                               f"messages: {len(question.messages)} items, at most {limits.max_messages} allowed",
                               reply_topic)
+    _check_samples(question, request_id, reply_topic)
     size = constraint_chars(question.params.response_format)
     if size > limits.max_constraint_chars:
         raise InvalidQuestion(question.question_id, request_id, "invalid_field",
                               f"params.response_format: {size} characters, at most {limits.max_constraint_chars} "
                               f"allowed", reply_topic)
+
+
+def _check_samples(question: QuestionEvent, request_id: str | None, reply_topic: str | None) -> None:
+    """logprobs' and n's rules between fields; a greedy n > 1 left to the defaults is the engine's to refuse."""
+    params = question.params
+    problem = None
+    if params.top_logprobs and not params.logprobs:
+        problem = "params.top_logprobs: needs params.logprobs: true"
+    elif params.logprobs_mode != "raw" and not params.logprobs:
+        problem = "params.logprobs_mode: needs params.logprobs: true"
+    elif params.n > 1 and params.temperature == 0 and not params.allow_identical_samples:
+        problem = identical_samples_message(params.n)
+    if problem is not None:
+        raise InvalidQuestion(question.question_id, request_id, "invalid_field", problem, reply_topic)
+
+
+def identical_samples_message(n: int) -> str:
+    return (f"params.n: {n} samples at temperature 0 are {n} identical answers; give a temperature above 0, "
+            f"or params.allow_identical_samples: true if that is what is meant")
 
 
 def _with_unknown_fields(question: QuestionEvent, data: bytes) -> QuestionEvent:
