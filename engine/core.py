@@ -28,10 +28,12 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.model.runner import ModelRunner
+from engine.model.logprobs import attach_logprobs
 from engine.normalization import normalized
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
 from engine.routing_embedding import EmbeddingHash
+from engine.samples import check_samples, private_salt, sample_ids, sample_params
 from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
@@ -73,7 +75,8 @@ class EngineCore:
                                    adapter_slot=self._adapter_slot)
         self.defaults = DefaultsRegistry(options.defaults)
         self.loras = LoraPool(model, options.max_loras)
-        self._awaiting_adapter: dict[str, QuestionEvent] = {}  # waiting for a resident adapter slot, by id
+        # waiting for a resident adapter slot, by sample name: its question and its samples' salt
+        self._awaiting_adapter: dict[str, tuple[QuestionEvent, str | None]] = {}
         self.system_prefix = SystemPrefix(model.tokenizer) if options.prefix_system_only else None
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets,
@@ -100,7 +103,8 @@ class EngineCore:
         `principal`: who asked (schemas/principal.py), whose fair share and quotas it takes.
         """
         qid = question.question_id
-        if qid in self.output:
+        names = sample_ids(qid, question.params.n)
+        if any(name in self.output for name in names):
             raise QuestionRejected("duplicate_question_id", f"question {qid!r} is already in flight")
         arrival = time.monotonic() if arrival is None else arrival
         ends_at = self.deadline(question, arrival, published)
@@ -111,13 +115,34 @@ class EngineCore:
             prompt_ids = self.prepare(question)
         if not prompt_ids:
             raise QuestionRejected("empty_prompt", "the prompt has no tokens")
+        params = self.defaults.resolve(question.params, self.stop_token_ids)
+        check_samples(question, params)
         ignored = unknown_fields(question, self.options.unknown_fields)
+        salt = private_salt() if len(names) > 1 else None
+        samples: list[Sequence] = []
+        try:
+            for index, name in enumerate(names):
+                samples.append(self._add_sample(question, name, index, sample_params(params, index), prompt_ids,
+                                                ends_at, arrival, principal, ignored, salt))
+        except QuestionRejected:
+            for seq in samples:  # all of its samples or none
+                self.scheduler.retract(seq)
+                self.loras.release(seq.lora)
+                self._awaiting_adapter.pop(seq.question_id, None)
+                self.output.forget(seq)
+            raise
+        return samples[0]
+
+    def _add_sample(self, question: QuestionEvent, name: str, index: int, params, prompt_ids: list[int],
+                    ends_at: float | None, arrival: float, principal: Principal, ignored: tuple[str, ...],
+                    salt: str | None) -> Sequence:
         constraint = self.constraints.attach(question)  # compiled already when Engine prepared it
         lora = acquire_adapter(self.loras, question.adapter)
         seq = Sequence(
-            question_id=qid,
+            question_id=name,
+            sample=index,
             prompt_ids=list(prompt_ids),
-            params=self.defaults.resolve(question.params, self.stop_token_ids),
+            params=params,
             priority=question.priority,
             deadline=ends_at,
             arrival=arrival,
@@ -126,9 +151,10 @@ class EngineCore:
             lora=lora,
             constraint=constraint,
             ignored_fields=ignored,
+            logprobs=None if params.logprobs is None else [],
         )
         if not seq.awaits_adapter:  # else once it holds its adapter: the prefix cache's salt names the version
-            self._share_prefix(question, seq)
+            self._share_prefix(question, seq, salt)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         seq.normalized = self.options.normalize and normalized(question) is not question
         try:
@@ -138,7 +164,7 @@ class EngineCore:
             raise QuestionRejected("prompt_too_long" if isinstance(exc, PromptTooLong) else "overloaded",
                                    str(exc)) from None
         if seq.awaits_adapter:
-            self._awaiting_adapter[qid] = question
+            self._awaiting_adapter[name] = (question, salt)
         self.output.track(question, seq)
         return seq
 
@@ -176,24 +202,32 @@ class EngineCore:
 
     def _never_computed(self, question: QuestionEvent, arrival: float, status: Status,
                         why: str | None = None) -> Sequence:
-        seq = Sequence(question_id=question.question_id, prompt_ids=[],
-                       params=self.defaults.resolve(question.params, self.stop_token_ids),
-                       priority=question.priority, arrival=arrival, adapter=question.adapter)
-        seq.error = why
-        self.scheduler.finish(seq, status)
-        self.output.track(question, seq)
-        return seq
+        """Each of its samples ends `status` at the next step, with an answer of its own."""
+        params = self.defaults.resolve(question.params, self.stop_token_ids)
+        samples = []
+        for index, name in enumerate(sample_ids(question.question_id, question.params.n)):
+            seq = Sequence(question_id=name, sample=index, prompt_ids=[], params=sample_params(params, index),
+                           priority=question.priority, arrival=arrival, adapter=question.adapter)
+            seq.error = why
+            self.scheduler.finish(seq, status)
+            self.output.track(question, seq)
+            samples.append(seq)
+        return samples[0]
 
     def _timeout_ms(self, question: QuestionEvent) -> int | None:
         return question.timeout_ms or self.options.default_timeout_ms
 
-    def _share_prefix(self, question: QuestionEvent, seq: Sequence) -> None:
+    def _share_prefix(self, question: QuestionEvent, seq: Sequence, samples_salt: str | None = None) -> None:
         """Give `seq` its prefix-cache salt (isolation.level system_prefix or shared); under system_prefix its
         hash chain stops at the last block wholly inside its prompt's system part, so no other block of it is
-        ever named in the cache, nor read from it."""
+        ever named in the cache, nor read from it. `samples_salt`: a question's samples share their whole
+        prompt with each other alone where the level shares less than that with others."""
+        tenant = question.tenant if self.options.prefix_scope == "tenant" else None
+        if samples_salt is not None and (not self.options.prefix_caching or self.system_prefix is not None):
+            seq.cache_salt = prefix_salt(str(self.model.path), tenant, samples_salt, seq.cache_namespace)
+            return
         if not self.options.prefix_caching:
             return
-        tenant = question.tenant if self.options.prefix_scope == "tenant" else None
         seq.cache_salt = prefix_salt(str(self.model.path), tenant, question.cache_salt, seq.cache_namespace)
         if self.system_prefix is not None:
             system = self.system_prefix.length(question, seq.prompt_ids)
@@ -211,11 +245,14 @@ class EngineCore:
             return False
         if seq.lora is None:
             return False
-        self._share_prefix(self._awaiting_adapter.pop(seq.question_id), seq)
+        question, samples_salt = self._awaiting_adapter.pop(seq.question_id)
+        self._share_prefix(question, seq, samples_salt)
         return True
 
     def cancel(self, question_id: str) -> bool:
-        return self.scheduler.cancel(question_id)
+        """Cancel the question, every sample of it."""
+        names = self.output.samples_of(question_id) or [question_id]
+        return any([self.scheduler.cancel(name) for name in names])
 
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path, version: int | None = None) -> LoraAdapter:
@@ -252,6 +289,8 @@ class EngineCore:
             if self.options.audit:
                 self._audit(out.owners, out.segments)
             new_tokens = self.scheduler.update(plan, out.sampled, seconds)
+            if out.logprobs is not None:
+                attach_logprobs(plan.sample_row_chunks, out.logprobs, new_tokens)
             for seq in self.constraints.advance(new_tokens):  # a token its grammar refused: it ends alone
                 self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)

@@ -75,4 +75,6 @@ class DefaultsRegistry:
             stop=tuple(params.stop),
             stop_token_ids=stop_token_ids,
             defaults_version=d.version,
+            logprobs=params.top_logprobs if params.logprobs else None,
+            logprobs_mode=params.logprobs_mode,
         )

@@ -34,7 +34,7 @@ from engine.defaults import Defaults
 from engine.intake import QuestionRejected
 from engine.kernels.omp_pool import release_thread_pool
 from engine.options import EngineOptions
-from engine.output.answers import rejected_answer
+from engine.output.answers import rejected_answers
 from engine.output.handle import Handle
 from engine.output.processor import StepEvents
 from engine.prompt import as_question
@@ -127,7 +127,7 @@ class Engine:
             await self.wait(previous)
         handle = Handle(question, cancelling=cancelled)
         if question.question_id in self._handles:
-            self._end(handle, rejected_answer(question, QuestionRejected(
+            self._end(handle, rejected_answers(question, QuestionRejected(
                 "duplicate_question_id", f"question {question.question_id!r} is already in flight")))
             return handle
         self._handles[question.question_id] = handle  # from now on holds() and cancel() know it
@@ -137,14 +137,14 @@ class Engine:
             prompt_ids = await self._prepare(handle, arrival, published, principal)
         except QuestionRejected as rejected:
             if not handle.cancelling:  # cancelled meanwhile: "cancelled" is what its asker waits for
-                self._drop(handle, rejected_answer(question, rejected))
+                self._drop(handle, rejected_answers(question, rejected))
                 return handle
             prompt_ids = None
         except BaseException:  # the submitter was cancelled while its question was prepared
             self._drop(handle, None)
             raise
         if self.closed:  # closed while it was prepared: the step loop may have stopped reading commands
-            self._drop(handle, rejected_answer(question, QuestionRejected(*_CLOSED)))
+            self._drop(handle, rejected_answers(question, QuestionRejected(*_CLOSED)))
             return handle
         if handle.cancelling:  # before or while it was prepared: it ends "cancelled" at the next step
             self._commands.put(("withdraw", (question, arrival)))
@@ -178,10 +178,10 @@ class Engine:
                 del self._preparing[question.question_id]
         return None if handle.cancelling else prompt_ids
 
-    def _drop(self, handle: Handle, answer: AnswerEvent | None) -> None:
+    def _drop(self, handle: Handle, answers: list[AnswerEvent] | None) -> None:
         """A question that never reached the core: answer it here (or just forget it) and free its place."""
         del self._handles[handle.question_id]
-        self._end(handle, answer)
+        self._end(handle, answers)
 
     async def wait(self, handle: Handle, timeout: float | None = None) -> AnswerEvent:
         return await handle.wait(timeout)
@@ -298,8 +298,8 @@ class Engine:
                 command[1].error = RuntimeError("the engine closed before this call ran")
                 anyio.from_thread.run_sync(command[1].done.set)
             elif command[0] in ("add", "withdraw"):  # its submitter is waiting for an answer: give it one
-                closed = rejected_answer(command[1][0], QuestionRejected(*_CLOSED))
-                self._deliver_from_thread(StepEvents(answers=[closed]))
+                closed = rejected_answers(command[1][0], QuestionRejected(*_CLOSED))
+                self._deliver_from_thread(StepEvents(answers=closed))
 
     def _apply(self, verb: str, arg) -> None:
         if verb == "cancel":
@@ -319,11 +319,11 @@ class Engine:
             if handle is not None and handle.cancelling:  # a cancel on its way behind it: apply it now
                 self.core.cancel(question.question_id)
         except QuestionRejected as exc:
-            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, exc)]))
+            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, exc)))
         except Exception as exc:  # noqa: BLE001 - one question's failure is its own: the device thread goes on
             log.exception("engine.add_failed", question_id=question.question_id)
             failed = QuestionRejected("internal_error", f"the question could not be queued: {type(exc).__name__}")
-            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
+            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, failed)))
 
     def _withdraw(self, question: QuestionEvent, arrival: float) -> None:
         try:
@@ -331,7 +331,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - as in _apply: its answer says so, the device thread goes on
             log.exception("engine.withdraw_failed", question_id=question.question_id)
             failed = QuestionRejected("internal_error", f"the question could not be ended: {type(exc).__name__}")
-            self._deliver_from_thread(StepEvents(answers=[rejected_answer(question, failed)]))
+            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, failed)))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
         # Posted, not waited for: the device thread goes on to the next step while the event loop hands
@@ -345,19 +345,23 @@ class Engine:
         for delta in events.deltas:
             handle = self._handles.get(delta.question_id)
             if handle is not None and delta.text:
-                handle.add_text(delta.text)
+                handle.add_text(delta.text, delta.index, delta.logprobs)
                 touched[delta.question_id] = handle
         for answer in events.answers:
-            handle = self._handles.pop(answer.question_id, None)
-            if handle is not None:
-                self._end(handle, answer)
-                touched.pop(answer.question_id, None)
+            handle = self._handles.get(answer.question_id)
+            if handle is None:
+                continue
+            handle.end(answer)
+            touched[answer.question_id] = handle
+            if handle.complete:  # every sample answered
+                del self._handles[answer.question_id]
+                self._places.release()
         for handle in touched.values():
             handle._notify()
 
-    def _end(self, handle: Handle, answer: AnswerEvent | None) -> None:
-        """Hand the handle its answer (None: the submitter is gone, nobody waits for one) and free its place."""
-        if answer is not None:
+    def _end(self, handle: Handle, answers: list[AnswerEvent] | None) -> None:
+        """Hand the handle its answers (None: the submitter is gone, nobody waits for them) and free its place."""
+        for answer in answers or ():
             handle.end(answer)
         self._places.release()
         handle._notify()

@@ -7,7 +7,7 @@ import dataclasses
 from engine.core import EngineCore
 from engine.intake import QuestionRejected
 from engine.options import EngineOptions
-from engine.output.answers import rejected_answer
+from engine.output.answers import rejected_answers
 from engine.prompt import as_question
 from schemas import AnswerEvent
 
@@ -50,13 +50,14 @@ class IsolatedBatchPipeline:
         answer's audit.ignored_fields and logged, or refused with QuestionRejected before anything runs."""
         policy = self.options.unknown_fields
         questions = [as_question(q, i, on_unknown=policy, **params) for i, q in enumerate(questions)]
-        answers: dict[str, Answer] = {}
+        answers: dict[tuple[str, int], Answer] = {}  # (question id, sample)
         for question in questions:
             try:
                 self.core.add(question)
             except QuestionRejected as exc:
-                answers[question.question_id] = rejected_answer(question, exc)
+                answers.update(((a.question_id, a.index), a) for a in rejected_answers(question, exc))
         while self.core.has_work:
             for answer in self.core.step().answers:
-                answers[answer.question_id] = answer
-        return Answers(answers[q.question_id] for q in questions)
+                answers[answer.question_id, answer.index] = answer
+        # In the questions' order; a question with params.n has its n answers side by side, by index.
+        return Answers(answers[q.question_id, i] for q in questions for i in range(q.params.n))

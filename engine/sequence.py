@@ -58,6 +58,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     defaults_version: int = 0
+    logprobs: int | None = None  # asked for logprobs: how many top alternatives per token; None: not asked
+    logprobs_mode: str = "raw"  # "raw" (the model's own distribution) or "processed" (the one drawn from)
 
     @property
     def greedy(self) -> bool:
@@ -68,9 +70,10 @@ class SamplingParams:
 class Sequence:
     """A question being answered. `num_computed_tokens` catches up with `num_tokens` each step."""
 
-    question_id: str
+    question_id: str  # the engine's name for it: a question's sample i > 0 has its own (engine/samples.py)
     prompt_ids: list[int]
     params: SamplingParams
+    sample: int = 0  # which of its question's params.n samples it draws
     channel: int = 0
     priority: int = 0
     deadline: float | None = None  # time.monotonic() value; None = no deadline
@@ -116,6 +119,7 @@ class Sequence:
     admitted_from: int = 0  # its first position at its latest admission: tokens before it came from the cache
     draft_origin: dict | None = None
     verified: tuple[int, int] | None = None
+    logprobs: list | None = None  # params.logprobs asked: one engine.model.logprobs.Logprob per output token
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.output_ids)

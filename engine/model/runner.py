@@ -11,6 +11,7 @@ from engine.adapters.lora import LoraStacks
 from engine.constrain.masks import RowMasks
 from engine.kernels.attention import Segment
 from engine.kv.cache import KVCache
+from engine.model.logprobs import Logprob, asking_rows, logprobs_of, raw_scores
 from engine.model.sampler import Sampler, SampleRow
 from engine.step_plan import Chunk, StepPlan
 
@@ -20,6 +21,7 @@ class StepOutput:
     sampled: list[int]  # one token per drawn row (plan.sample_row_chunks), in plan order
     segments: list[Segment]  # what the forward packed, for the isolation audit
     owners: list[Chunk]  # the chunk of each segment
+    logprobs: list[Logprob | None] | None = None  # per drawn row, where its question asked; None: nobody did
 
 
 def segments_of(plan: StepPlan) -> tuple[list[Segment], list[Chunk]]:
@@ -73,7 +75,12 @@ class ModelRunner:
         logits = self.weights.logits(hidden)
         rows = [row for c in plan.sampled_chunks for row in _sample_rows(c)]
         masks = row_masks(plan.sample_row_chunks) if row_masks is not None else None
-        return StepOutput(self.sampler.sample(logits, rows, masks), segments, owners)
+        asking = asking_rows(rows)
+        if not asking:
+            return StepOutput(self.sampler.sample(logits, rows, masks), segments, owners)
+        scores = raw_scores(logits, rows, asking)  # before the sampler, which may change logits in place
+        tokens = self.sampler.sample(logits, rows, masks, processed=scores)
+        return StepOutput(tokens, segments, owners, logprobs_of(scores, rows, tokens))
 
 
 def _sample_rows(chunk: Chunk) -> list[SampleRow]:

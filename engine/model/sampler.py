@@ -35,21 +35,34 @@ def noise_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: RowMasks | None = None) -> list[int]:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: RowMasks | None = None,
+               processed: dict[int, torch.Tensor] | None = None) -> list[int]:
+        """`processed`, when given, gets the scores each row asking for processed logprobs was drawn from."""
         if masks is not None:
             logits = _constrain(logits, masks)
+        keep = [] if processed is None else [i for i, row in enumerate(rows) if _wants_processed(row)]
         if all(row.params.greedy and row.params.repetition_penalty == 1.0 for row in rows):
             # The common case: one argmax for the whole batch (bf16 -> fp32 is exact, so no cast needed).
+            for i in keep:
+                processed[i] = logits[i].float()
             return greedy(logits)
         logits = logits.float()
         for i, row in enumerate(rows):
             if row.params.repetition_penalty != 1.0:
                 _penalize(logits[i], row.history, row.params.repetition_penalty)
         tokens = greedy(logits)
+        for i in keep:
+            processed[i] = logits[i].clone()  # a greedy row draws from these; a sampled one's replace them below
         for i, row in enumerate(rows):
             if not row.params.greedy:
-                tokens[i] = _draw(logits[i], row)
+                tokens[i], scores = _draw(logits[i], row)
+                if i in keep:
+                    processed[i] = scores
         return tokens
+
+
+def _wants_processed(row: SampleRow) -> bool:
+    return row.params.logprobs is not None and row.params.logprobs_mode == "processed"
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
@@ -76,7 +89,8 @@ def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> None:
     logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def _draw(logits: torch.Tensor, row: SampleRow) -> int:
+def _draw(logits: torch.Tensor, row: SampleRow) -> tuple[int, torch.Tensor]:
+    """The drawn token, and the scores it was drawn from (temperature, top-k and top-p applied)."""
     params = row.params
     scores = logits / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
@@ -86,7 +100,7 @@ def _draw(logits: torch.Tensor, row: SampleRow) -> int:
         scores = _top_p(scores, params.top_p)
     generator = torch.Generator(device=logits.device).manual_seed(noise_seed(params.seed or 0, row.position))
     uniform = torch.rand(scores.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
-    return int((scores - torch.log(-torch.log(uniform))).argmax())
+    return int((scores - torch.log(-torch.log(uniform))).argmax()), scores
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -8,16 +8,20 @@ import msgspec
 
 from engine.intake import QuestionRejected
 from engine.output.detokenizer import TextStream
+from engine.output.logprobs import TokenTexts
 from engine.sequence import Sequence, Status
 from schemas import AnswerEvent, Audit, ErrorInfo, QuestionEvent, Timings, Usage, error_answer
 
 
-def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, worker: str) -> AnswerEvent:
-    """The answer of a question that ended in the engine; `stream` has had its last token."""
+def finished_answer(question: QuestionEvent, seq: Sequence, stream: TextStream, worker: str,
+                    texts: TokenTexts) -> AnswerEvent:
+    """The answer of a question's sample that ended in the engine; `stream` has had its last token."""
     # A stop string's tokens are not part of the answer: token_ids and usage count what `text` keeps.
     output_ids = tuple(seq.output_ids[:stream.kept_tokens] if stream.stopped else seq.output_ids)
     return AnswerEvent(
-        question_id=seq.question_id,
+        question_id=question.question_id,
+        index=seq.sample,
+        logprobs=None if seq.logprobs is None else texts.wire(seq.logprobs[:len(output_ids)]),
         request_id=question.request_id,
         error=_error(seq),
         text=stream.text,
@@ -44,11 +48,12 @@ def _accepted_drafts(seq: Sequence, completion_tokens: int) -> int:
     return min(seq.accepted_draft_tokens, completion_tokens)
 
 
-def rejected_answer(question: QuestionEvent, exc: QuestionRejected) -> AnswerEvent:
-    """The error answer of a question that never ran: taken and ended in the same instant."""
+def rejected_answers(question: QuestionEvent, exc: QuestionRejected) -> list[AnswerEvent]:
+    """The error answers of a question that never ran, one per sample: taken and ended in the same instant."""
     now = round(time.time() * 1000)
     answer = error_answer(question.question_id, question.request_id, exc.code, exc.message)
-    return msgspec.structs.replace(answer, timings=Timings(started_ms=now, finished_ms=now))
+    return [msgspec.structs.replace(answer, timings=Timings(started_ms=now, finished_ms=now), index=index)
+            for index in range(question.params.n)]
 
 
 def _incomplete(seq: Sequence, stream: TextStream) -> bool:

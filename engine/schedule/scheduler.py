@@ -93,6 +93,13 @@ class Scheduler:
         self.sharing.arrive(seq)
         self.waiting.append(seq)
 
+    def retract(self, seq: Sequence) -> None:
+        """Take back a question just added and not yet admitted, as if it never came (a sibling sample of it
+        was refused: a question's samples are added all or none)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.sharing.depart(seq, self.clock())
+
     def cancel(self, question_id: str) -> bool:
         for seq in self.running + self.waiting:
             if seq.question_id == question_id:
