@@ -80,7 +80,7 @@ class EmbeddedBroker:
     @classmethod
     def from_config(cls, cfg: BrokerConfig | None) -> "EmbeddedBroker":
         cfg = cfg or BrokerConfig()
-        return cls(storage=cfg.storage, data_dir=cfg.data_dir)
+        return cls(port=cfg.port or None, storage=cfg.storage, data_dir=cfg.data_dir)
 
     @property
     def bootstrap_servers(self) -> str:

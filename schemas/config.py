@@ -347,6 +347,9 @@ class BrokerConfig(_Section):
 
     storage: Literal["memory", "durable"] = "memory"
     data_dir: str | None = None  # None = "broker" in Kev's cache directory (~/.cache/kev/broker)
+    # 0: a free loopback port, logged (broker.embedded_started). A fixed one lets a `kev gateway` or a producer
+    # in another process reach the broker `kev serve` started.
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
 
 class IntakeConfig(_Section):

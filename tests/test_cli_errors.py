@@ -53,6 +53,8 @@ def test_a_port_taken_or_no_broker_is_one_line_before_the_model_loads():
              "set metrics.port"),
             (("serve", "--bootstrap-servers", "127.0.0.1:1"), {},
              "kev serve: cannot reach the brokers at 127.0.0.1:1 (127.0.0.1:1: Connection refused)"),
+            (("serve",), {"KEV_BROKER__PORT": port},
+             f"kev serve: cannot listen on 127.0.0.1:{port} for the embedded broker (Address already in use)"),
             (("demo", "--http", "--port", port), {},
              f"kev demo: cannot listen on 127.0.0.1:{port} for the gateway (Address already in use)"),
         ]

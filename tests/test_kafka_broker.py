@@ -9,7 +9,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 pytest.register_assert_rewrite("kafka_fixtures")
 from consumers import BrokerStartError, EmbeddedBroker, KafkaWorker, embedded_kafka, ensure_topics  # noqa: E402
 from kafka_fixtures import kafka_config, produce, read_topic  # noqa: E402
-from schemas import KafkaConfig  # noqa: E402
+from schemas import BrokerConfig, KafkaConfig  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures"]
 pytestmark = pytest.mark.kafka
@@ -83,6 +83,15 @@ async def test_embedded_kafka_starts_a_broker_only_for_embedded():
         host, port = cfg.bootstrap_servers.split(":")
         assert host == "127.0.0.1" and not refuses_connections(host, int(port))
     assert refuses_connections(host, int(port))
+
+
+@pytest.mark.anyio
+async def test_broker_port_puts_the_embedded_broker_where_another_process_can_find_it():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with embedded_kafka(KafkaConfig(), BrokerConfig(port=port)) as cfg:
+        assert cfg.bootstrap_servers == f"127.0.0.1:{port}" and not refuses_connections("127.0.0.1", port)
 
 
 @pytest.mark.anyio

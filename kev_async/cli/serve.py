@@ -96,7 +96,8 @@ def _start_problem(cfg) -> str | None:
         if taken:
             return taken
     if cfg.kafka.bootstrap_servers == EMBEDDED_BROKER:
-        return None
+        return port_problem("127.0.0.1", cfg.broker.port, "the embedded broker",
+                            "set broker.port (KEV_BROKER__PORT) to a free port, or 0 for any")
     return broker_problem(cfg.kafka.bootstrap_servers)
 
 
