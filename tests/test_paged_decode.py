@@ -125,7 +125,7 @@ def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(cache):
     def attend(op, segs, queries):
         step = paged_decode.PagedDecodes(segs, BLOCK, cpu)
         return op(queries.contiguous(), layer.k, layer.v, step.table, step.lengths, BLOCK, SPEC.head_dim ** -0.5,
-                  *scales)
+                  0, 0.0, *scales)
 
     packed = attend(portable, segments, q)
     torch.testing.assert_close(packed.float(), attend(paged_decode.kernel(), segments, q).float(),

@@ -64,8 +64,8 @@ def attend_prompt_tiles(q, cache, ctx: torch.Tensor, cached: int) -> torch.Tenso
     (as flash attention does), tile by tile in key order.
     """
     rows, heads, dim = q.shape
-    group = heads // cache.kv_heads
-    query = pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * dim**-0.5
+    group, form = heads // cache.kv_heads, cache.form
+    query = pad_rows(q, ROW_TILE).transpose(0, 1).reshape(heads, -1, ROW_TILE, dim) * form.scale
     tiles = query.shape[1]
     # Whole key tiles: padding reads the question's own first slot (finite, and masked: its index is
     # past every row's position). Dequantised per token when the cache is int8: row-local.
@@ -81,15 +81,25 @@ def attend_prompt_tiles(q, cache, ctx: torch.Tensor, cached: int) -> torch.Tenso
         # copied, so its layout is the same with one query tile or many.
         key_tile = keys[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1).contiguous()
         value_tile = values[:, None, start : start + KEY_TILE].expand(-1, tiles, -1, -1).contiguous()
-        visible = torch.arange(start, start + KEY_TILE, device=q.device) <= positions
-        scores = torch.matmul(query, key_tile.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: key 0 is always visible
-        scale, weights = torch.exp(best - new_best), torch.exp(scores - new_best)
+        keys_at = torch.arange(start, start + KEY_TILE, device=q.device)
+        visible = keys_at <= positions
+        if form.window is not None:
+            visible &= keys_at > positions - form.window
+        scores = _capped(torch.matmul(query, key_tile.transpose(-1, -2)), form).masked_fill(~visible, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
+        # -inf only while a sliding window has hidden every key so far: those tiles then add exact zeros.
+        shift = new_best.masked_fill(new_best == float("-inf"), 0.0)
+        scale, weights = torch.exp(best - shift), torch.exp(scores - shift)
         total = total * scale + weights.sum(-1, keepdim=True)
         acc = acc * scale + torch.matmul(weights, value_tile)
         best = new_best
     out = (acc / total).reshape(heads, -1, dim)[:, :rows]
     return out.transpose(0, 1)
+
+
+def _capped(scores: torch.Tensor, form) -> torch.Tensor:
+    """Gemma 2's soft cap on the scores, where the layer has one."""
+    return scores if form.softcap is None else torch.tanh(scores / form.softcap) * form.softcap
 
 
 class FixedDecodes:
@@ -109,6 +119,18 @@ class FixedDecodes:
         self.slots = slots.flatten().to(device)
         self.batch, self.tiles = len(segments), tiles
         self.hidden = (~visible).view(self.batch, 1, tiles, 1, KEY_TILE).to(device)
+        self.lengths = torch.tensor([seg.kv_len for seg in segments], device=device)
+        self.windowed: dict[int, torch.Tensor] = {}
+
+    def hidden_keys(self, window: int | None) -> torch.Tensor:
+        """The keys each row does not see: past its length, and before its sliding window if it has one."""
+        if window is None:
+            return self.hidden
+        if window not in self.windowed:
+            keys = torch.arange(self.tiles * KEY_TILE, device=self.hidden.device)
+            early = keys[None, :] < (self.lengths - window)[:, None]
+            self.windowed[window] = self.hidden | early.view(self.batch, 1, self.tiles, 1, KEY_TILE)
+        return self.windowed[window]
 
     def attend(self, q, cache) -> torch.Tensor:
         """q [B, H, D]: the decode rows only, in segment order."""
@@ -122,9 +144,11 @@ class FixedDecodes:
         # the same (transposed) layout for every batch.
         keys = k_rows.view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
         values = v_rows.view(shape).permute(0, 3, 1, 2, 4).contiguous()  # [B, KVH, T, KT, D]
-        query = (q * dim**-0.5).view(batch, kv_heads, 1, group, dim).expand(-1, -1, self.tiles, -1, -1).contiguous()
-        scores = torch.matmul(query, keys.transpose(-1, -2)).masked_fill(self.hidden, float("-inf"))  # [B, KVH, T, group, KT]
-        best = scores.amax(dim=(2, 4), keepdim=True)  # finite: key 0 is always visible
+        form = cache.form
+        query = (q * form.scale).view(batch, kv_heads, 1, group, dim).expand(-1, -1, self.tiles, -1, -1).contiguous()
+        scores = _capped(torch.matmul(query, keys.transpose(-1, -2)), form)
+        scores = scores.masked_fill(self.hidden_keys(form.window), float("-inf"))  # [B, KVH, T, group, KT]
+        best = scores.amax(dim=(2, 4), keepdim=True)  # finite: a row always sees its own key
         weights = torch.exp(scores - best)
         total = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # [B, KVH, group, 1]
         acc = torch.matmul(weights, values).cumsum(2)[:, :, -1]  # [B, KVH, group, D]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_decode
+from engine.kernels.attention_form import AttentionForm
 from engine.kv.cache import KVCache, LayerKV, padded_slots
 
 
@@ -117,17 +118,35 @@ def _attend_segment(q, k, v, cache: LayerKV, ctx: torch.Tensor | None, seg: Segm
 
     SDPA gets 4-D [1, heads, L, D] tensors: on CPU only those reach the fused flash kernel; 3-D ones
     fall back to the unfused math path, several times slower on a long prompt."""
-    query = q.transpose(0, 1)[None]
-    if ctx is None:
+    query, form = q.transpose(0, 1)[None], cache.form
+    plain = form == AttentionForm.plain(q.shape[-1])
+    if ctx is None and plain:
         out = F.scaled_dot_product_attention(query, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
-    keys, values = (t.transpose(0, 1)[None] for t in cache.gather(ctx))
-    # Row i sits at position cached + i and sees keys 0..cached + i: causal, offset by the cache.
-    visible = torch.arange(seg.kv_len, device=q.device)[None, :] <= (
-        torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    keys, values = (t.transpose(0, 1)[None] for t in (cache.gather(ctx) if ctx is not None else (k, v)))
+    # Row i sits at position cached + i and sees keys 0..cached + i: causal, offset by the cache; with a
+    # window, only its last `window` of them.
+    key_pos = torch.arange(seg.kv_len, device=q.device)[None, :]
+    row_pos = torch.arange(seg.q_len, device=q.device)[:, None] + seg.cached
+    visible = key_pos <= row_pos
+    if form.window is not None:
+        visible &= key_pos > row_pos - form.window
+    return attend_masked(query, keys, values, visible, form)[0].transpose(0, 1)
+
+
+def attend_masked(query, keys, values, visible, form: AttentionForm) -> torch.Tensor:
+    """query [B, H, L, D] over keys/values [B, KVH, S, D], `visible` a mask broadcast to [B, H, L, S], in
+    the layer's form: SDPA where it has no soft cap, else the scores, cap and softmax written out."""
+    if form.softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=form.scale,
+                                              enable_gqa=True)
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * form.scale
+    scores = torch.tanh(scores / form.softcap) * form.softcap
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(weights, values)
 
 
 class _DecodeGroups:
@@ -171,6 +190,18 @@ class _DecodeGroup:
         self.slots = slots.flatten().to(device)  # index_select on a flat index is far faster than 2-D indexing
         self.batch, self.longest = len(segments), longest
         self.mask = visible[:, None, None, :].to(device)
+        self.lengths = torch.tensor([s.kv_len for s in segments], device=device)
+        self.windowed: dict[int, torch.Tensor] = {}  # the mask of a sliding window, per window
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """Each row's keys, [B, 1, 1, longest]: all up to its length, or its last `window` of them."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            first = (self.lengths - window).clamp(min=0)
+            keys = torch.arange(self.longest, device=self.mask.device)
+            self.windowed[window] = self.mask & (keys[None, :] >= first[:, None])[:, None, None, :]
+        return self.windowed[window]
 
     def attend(self, q, cache: LayerKV) -> torch.Tensor:
         """q: [B, H, D], the decode rows only."""
@@ -184,5 +215,9 @@ class _DecodeGroup:
         # token's queries see the same keys, no causal mask applies, and SDPA multiplies taller tiles
         # than with enable_gqa over [B, H, 1, D], which is faster.
         query = q.view(batch, kv_heads, heads // kv_heads, dim)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask)
+        form = cache.form
+        if form == AttentionForm.plain(dim):
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask)
+        else:
+            out = attend_masked(query, keys, values, self.visible(form.window), form)
         return out.reshape(batch, heads, dim)

@@ -67,14 +67,18 @@ class FlashStep:
         v_cache.index_copy_(0, self.slots, v)
         paged = (self.kv.num_blocks, self.kv.block_size, k.shape[1], k.shape[2])
         k_pages, v_pages = k_cache.view(paged), v_cache.view(paged)
+        form = self.kv.layers[layer].form
+        # The layer's form: flash-attn's window counts the keys before the row's own (-1: all of them).
+        shape = dict(softmax_scale=form.scale, window_size=(-1 if form.window is None else form.window - 1, 0),
+                     softcap=form.softcap or 0.0)
         if self.decode_only:
             out = flash_attn_with_kvcache(q[:, None], k_pages, v_pages, cache_seqlens=self.kv_lens,
-                                          block_table=self.block_table, causal=True)
+                                          block_table=self.block_table, causal=True, **shape)
             return out[:, 0]
         # causal=True aligns each question's queries to the end of its keys: a chunk after a cached
         # prefix sees the prefix and its own earlier tokens, nothing else.
         return flash_attn_varlen_func(q, k_pages, v_pages, self.cu_q, self.cu_k, self.max_q, self.max_k,
-                                      causal=True, block_table=self.block_table)
+                                      causal=True, block_table=self.block_table, **shape)
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:

@@ -163,7 +163,7 @@ void attention_half(torch::Tensor& hidden, const torch::Tensor* w, const torch::
                    k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), rows.slots[r], q.data_ptr<T>() + r * s.heads * s.dim);
     }
   });
-  auto out = paged::attend(q, k_cache, v_cache, rows.table, rows.lengths, rows.block_size, rows.scale, c10::nullopt,
+  auto out = paged::attend(q, k_cache, v_cache, rows.table, rows.lengths, rows.block_size, rows.scale, 0, 0.0, c10::nullopt,
                            c10::nullopt);
   auto projected = row_kernels::multiply(out.view({count, s.heads * s.dim}), w[O_PROJ], hidden.size(1));
   add_into(hidden.data_ptr<T>(), projected.data_ptr<T>(), hidden.numel());

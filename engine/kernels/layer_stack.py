@@ -69,6 +69,8 @@ class LayerStack:
 def _why_not(model) -> str | None:
     if native.module() is None:
         return "Kev's CPU kernels are not built here"
+    if not model.llama_layers:
+        return f"{model.spec.architecture}'s layers differ from Llama's (the stack runs only those)"
     if model.cos.device.type != "cpu" or model.cos.dtype not in (torch.float32, torch.bfloat16):
         return "the stack runs fp32 and bf16 models on the CPU"
     matrices = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o_proj", "gate_up", "down")]

@@ -332,8 +332,12 @@ static inline void apply_scales(float* rows, const at::Half* scales, const int64
 template <typename T, typename C, int D, int G>
 static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
                         const int64_t* blocks, int64_t len, T* out, int64_t b, int64_t h0, int64_t h1, int64_t heads,
-                        int64_t kv_heads, int64_t block_size, float scale, std::vector<float>& buffer) {
+                        int64_t kv_heads, int64_t block_size, float scale, int64_t window, float softcap,
+                        std::vector<float>& buffer) {
   const int64_t n = (h1 - h0) * G;  // query heads in this task
+  // A sliding window (window > 0) hides the keys before `first`: they are scored with the rest, then
+  // weigh exactly zero, so the sums over values run as without a window.
+  const int64_t first = window > 0 && len > window ? len - window : 0;
   buffer.resize(n * (len + 2 * D + 1));
   float* query = buffer.data();      // [n, D]
   float* acc = query + n * D;        // [n, D]
@@ -366,10 +370,13 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
       apply_scales(scores + h * G * len, k_scales, blocks, len, block_size, kv_heads, h0 + h, G);
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
-    const float top = lanes_max(row, len);
+    if (softcap > 0.f)  // Gemma 2: scores squashed into (-softcap, softcap) before the softmax
+      for (int64_t t = first; t < len; ++t) row[t] = std::tanh(row[t] / softcap) * softcap;
+    const float top = lanes_max(row + first, len - first);
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) row[t] = exp_clamped(row[t] - top);
-    total[i] = lanes_sum(row, len);
+    for (int64_t t = first; t < len; ++t) row[t] = exp_clamped(row[t] - top);
+    std::fill(row, row + first, 0.f);
+    total[i] = lanes_sum(row + first, len - first);
   }
   if (v_scales != nullptr)  // the weights, not yet normalised, carry each value's scale
     for (int64_t h = 0; h < h1 - h0; ++h)
@@ -413,7 +420,8 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
 template <typename T, typename C, int D, int G>
 static void decode_rows(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
                         const int64_t* table, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
-                        int64_t kv_heads, int64_t max_blocks, int64_t block_size, float scale) {
+                        int64_t kv_heads, int64_t max_blocks, int64_t block_size, float scale, int64_t window,
+                        float softcap) {
   const int64_t threads = at::get_num_threads();
   const int64_t per_task = batch >= 4 * threads ? kv_heads : 1;
   const int64_t tasks = batch * (kv_heads / per_task);
@@ -423,7 +431,7 @@ static void decode_rows(const T* q, const C* k, const C* v, const at::Half* k_sc
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t b = task / (kv_heads / per_task), h0 = task % (kv_heads / per_task) * per_task;
       decode_task<T, C, D, G>(q, k, v, k_scales, v_scales, table + b * max_blocks, lengths[b], out, b, h0,
-                              h0 + per_task, heads, kv_heads, block_size, scale, buffer);
+                              h0 + per_task, heads, kv_heads, block_size, scale, window, softcap, buffer);
     }
   });
 }
@@ -431,15 +439,16 @@ static void decode_rows(const T* q, const C* k, const C* v, const at::Half* k_sc
 template <typename T, typename C>
 static bool dispatch(const T* q, const C* k, const C* v, const at::Half* k_scales, const at::Half* v_scales,
                      const int64_t* table, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
-                     int64_t kv_heads, int64_t dim, int64_t max_blocks, int64_t block_size, float scale) {
+                     int64_t kv_heads, int64_t dim, int64_t max_blocks, int64_t block_size, float scale,
+                     int64_t window, float softcap) {
 #define KEV_CASE(DIM, GROUP)                                                                           \
   if (dim == DIM && heads == GROUP * kv_heads) {                                                       \
     decode_rows<T, C, DIM, GROUP>(q, k, v, k_scales, v_scales, table, lengths, out, batch, heads, kv_heads,   \
-                                  max_blocks, block_size, scale);                                      \
+                                  max_blocks, block_size, scale, window, softcap);                     \
     return true;                                                                                       \
   }
 #define KEV_DIM(DIM) KEV_CASE(DIM, 1) KEV_CASE(DIM, 2) KEV_CASE(DIM, 3) KEV_CASE(DIM, 4) KEV_CASE(DIM, 8)
-  KEV_DIM(16) KEV_DIM(32) KEV_DIM(64) KEV_DIM(128)
+  KEV_DIM(16) KEV_DIM(32) KEV_DIM(64) KEV_DIM(128) KEV_DIM(256)
 #undef KEV_DIM
 #undef KEV_CASE
   return false;
@@ -447,7 +456,7 @@ static bool dispatch(const T* q, const C* k, const C* v, const at::Half* k_scale
 
 // Without the GIL: the caller (paged_decode below, or the layer stack) has released it.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& table,
-                     const torch::Tensor& lengths, int64_t block_size, double scale,
+                     const torch::Tensor& lengths, int64_t block_size, double scale, int64_t window, double softcap,
                      const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
               lengths.device().is_cpu(), "paged_decode: CPU tensors only");
@@ -488,7 +497,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     using C = decltype(cache_zero);
     done = dispatch<T, C>(q.data_ptr<T>(), k.data_ptr<C>(), v.data_ptr<C>(), k_scales_p, v_scales_p, table_p,
                           lengths_p, out.data_ptr<T>(), q.size(0), q.size(1), k.size(1), q.size(2), width, block_size,
-                          static_cast<float>(scale));
+                          static_cast<float>(scale), window, static_cast<float>(softcap));
   };
   if (q.scalar_type() == at::ScalarType::Float) int8 ? launch(float{}, int8_t{}) : launch(float{}, float{});
   else if (q.scalar_type() == at::ScalarType::BFloat16)
@@ -500,10 +509,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 }  // namespace paged
 
+// window: keys a row sees, counting its own (0: all); softcap: tanh cap on the scores (0: none).
 // k_scales, v_scales: [slots, KVH] fp16, for an int8 cache only.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
-                           torch::Tensor lengths, int64_t block_size, double scale,
+                           torch::Tensor lengths, int64_t block_size, double scale, int64_t window, double softcap,
                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   pybind11::gil_scoped_release no_gil;  // other Python threads (the worker's event loop) run meanwhile
-  return paged::attend(q, k, v, table, lengths, block_size, scale, k_scales, v_scales);
+  return paged::attend(q, k, v, table, lengths, block_size, scale, window, softcap, k_scales, v_scales);
 }

@@ -49,7 +49,7 @@ def compiled(cflags: tuple[str, ...]):
 
 
 # The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).
-HEAD_SIZES = (16, 32, 64, 128)
+HEAD_SIZES = (16, 32, 64, 128, 256)
 GROUPS = (1, 2, 3, 4, 8)
 
 
@@ -92,10 +92,12 @@ class PagedDecodes:
         return rows
 
     def attend(self, q: torch.Tensor, cache) -> torch.Tensor:
-        """q: [B, H, D], the decode rows only, in segment order; the result in the same order."""
+        """q: [B, H, D], the decode rows only, in segment order; the result in the same order. The layer's
+        form (cache.form) gives the score scale, the sliding window and the soft cap."""
         scales = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
-        args = (q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size, q.shape[-1] ** -0.5,
-                *scales)
+        form = cache.form
+        args = (q.contiguous(), cache.k, cache.v, self.table, self.lengths, self.block_size, form.scale,
+                form.window or 0, form.softcap or 0.0, *scales)
         if not torch.autograd._profiler_enabled():  # a record_function costs ~8 us even with no profiler
             return self.op(*args)
         with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`

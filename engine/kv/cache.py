@@ -15,6 +15,7 @@ from typing import get_args
 
 import torch
 
+from engine.kernels.attention_form import AttentionForm
 from schemas import DEFAULT_CONFIG, KvDtype
 
 MIB = 1 << 20
@@ -66,8 +67,9 @@ def padded_slots(segments: list, block_size: int, width: int) -> tuple[torch.Ten
 class LayerKV:
     """One layer's cache as the attention backends see it: write new tokens, gather slots."""
 
-    def __init__(self, cache: "KVCache", layer: int):
+    def __init__(self, cache: "KVCache", layer: int, form: AttentionForm):
         self.k, self.v = cache.k[layer], cache.v[layer]
+        self.form = form  # how this layer's queries read these keys (scale, window, soft cap)
         self.quantized = cache.quantized
         if self.quantized:
             self.k_scale, self.v_scale = cache.k_scale[layer], cache.v_scale[layer]
@@ -118,7 +120,9 @@ class KVCache:
             self.v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
             center_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
             self.k_center = (torch.zeros(center_shape) if key_center is None else key_center.float()).to(device)
-        self.layers = [LayerKV(self, i) for i in range(spec.num_layers)]
+        # A spec without per-layer forms (a test's shape) attends plainly.
+        forms = getattr(spec, "attention", ()) or (AttentionForm.plain(spec.head_dim),) * spec.num_layers
+        self.layers = [LayerKV(self, i, forms[i]) for i in range(spec.num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.group = spec.num_heads // spec.num_kv_heads  # query heads per KV head

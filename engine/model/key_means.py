@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.attention import attend_masked
+from engine.kernels.attention_form import AttentionForm
 from engine.prompt import as_question, encode_prompt
 
 # Any ordinary prose will do: the mean only has to land near the keys' offset, not on it.
@@ -41,10 +43,19 @@ def key_means(model) -> torch.Tensor:
     tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     keys: list[torch.Tensor] = []
 
+    forms = model.spec.attention or (AttentionForm.plain(model.spec.head_dim),) * model.spec.num_layers
+    positions = torch.arange(len(ids), device=model.device)
+
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys.append(k.float().mean(0))
         q_, k_, v_ = (t.transpose(0, 1)[None] for t in (q, k, v))
-        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        form = forms[index]
+        if form == AttentionForm.plain(model.spec.head_dim):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        visible = positions[None, :] <= positions[:, None]
+        if form.window is not None:
+            visible &= positions[None, :] > positions[:, None] - form.window
+        return attend_masked(q_, k_, v_, visible, form)[0].transpose(0, 1)
 
-    model.weights.forward(tokens, torch.arange(len(ids), device=model.device), attend)
+    model.weights.forward(tokens, positions, attend)
     return torch.stack(keys)
