@@ -36,11 +36,12 @@ TINY_KINDS = {
 SMOLLM2 = DEFAULT_MODEL
 
 
-def build_hf_tiny(kind: str, seed: int = 0, **overrides):
-    """A transformers model of `kind` with random weights everywhere (norms and biases too), fp32, eval."""
+def build_hf_tiny(kind: str, seed: int = 0, kinds: dict | None = None, **overrides):
+    """A transformers model of `kind` (in `kinds`, TINY_KINDS by default) with random weights everywhere
+    (norms and biases too), fp32, eval."""
     import transformers
 
-    cls_name, extra = TINY_KINDS[kind]
+    cls_name, extra = (kinds or TINY_KINDS)[kind]
     cls = getattr(transformers, cls_name)
     config = cls.config_class(**{**TINY_SHAPE, "vocab_size": VOCAB, **extra, **overrides})
     config.architectures = [cls_name]

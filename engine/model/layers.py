@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import row_linear
+from engine.kernels.block_weight import BlockWeight
 from engine.kernels.quant import Int8Weight
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,9 +41,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated, for apply_rope: rotate_half(x) * sin == roll(x) * signed_sin
-    bit for bit, since a product's sign flips exactly."""
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for rows [gate | up]: Gemma's MLP, with torch's ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def signed_sin(sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """sin with the sign rotate_half gives it, for apply_rope: rotate_half(x) * sin == roll(x) * signed_sin
+    bit for bit, since a product's sign flips exactly. By halves, the first half negated; interleaved
+    (GLM: pairs (0, 1), (2, 3)... rotate), every even entry."""
+    if interleaved:
+        signs = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device).repeat(sin.shape[-1] // 2)
+        return sin * signs
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
@@ -54,6 +65,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """apply_rope over the leading cos.shape[-1] dims of each head (all of them but for GLM's and some
+    Phi-3's partial rotary), by halves or, interleaved, by pairs; the other dims pass unchanged."""
+    width = cos.shape[-1]
+    if width == x.shape[-1] and not interleaved:
+        return apply_rope(x, cos, sin_signed)
+    part = x[..., :width]
+    turned = part.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else part.roll(width // 2, -1)
+    return torch.cat((part * cos + turned * sin_signed, x[..., width:]), dim=-1)
+
+
 def embed(table, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of an embedding table, a tensor or an Int8Weight (dequantised on lookup)."""
-    return table.rows(ids) if isinstance(table, Int8Weight) else table[ids]
+    """Rows of an embedding table, a tensor, an Int8Weight or a GGUF's BlockWeight (dequantised on lookup)."""
+    return table.rows(ids) if isinstance(table, (Int8Weight, BlockWeight)) else table[ids]

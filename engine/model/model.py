@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.deterministic.mode import math_mode
+from engine.kernels.attention_form import AttentionForm
 from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
 from engine.kernels.omp_pool import release_thread_pool
@@ -18,7 +19,20 @@ from engine.model.key_means import key_means
 from engine.model.loader import resolve_model_dir
 from engine.model.transformer import Transformer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# What each supported architecture adds to the Llama layer (engine/model/transformer.py reads the spec).
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # a sliding window on every layer
+    "Qwen2ForCausalLM": "llama",  # q/k/v biases
+    "Qwen3ForCausalLM": "llama",  # q/k norms
+    "Phi3ForCausalLM": "llama",  # q/k/v and gate/up stored fused
+    "GlmForCausalLM": "llama",  # partial, interleaved rotary; gate/up fused
+    "Gemma2ForCausalLM": "gemma",  # (1 + w) norms around attention and MLP, gelu-tanh, soft caps
+    "Gemma3ForCausalLM": "gemma",  # Gemma 2's layer with q/k norms and a local rotary base
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent tables (not dynamic or longrope)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FORMATS = ("full", "int8")  # full: stored in the compute dtype; int8: weight-only int8
@@ -42,8 +56,16 @@ class ModelSpec:
     max_position: int
     tie_embeddings: bool
     qkv_bias: bool  # Qwen2
-    qk_norm: bool  # Qwen3
+    qk_norm: bool  # Qwen3, Gemma 3
     eos_token_ids: tuple[int, ...]
+    family: str = "llama"  # gemma: (1 + w) norms, an embedding scaled by sqrt(hidden), norms after attention and MLP
+    activation: str = "silu"  # of the MLP's gate: silu | gelu_tanh
+    final_softcap: float | None = None  # logits become softcap * tanh(logits / softcap) (Gemma 2)
+    rotary_dim: int = 0  # leading dims of a head that rotate (GLM, partial Phi-3: fewer than head_dim)
+    rope_interleaved: bool = False  # pairs (0, 1), (2, 3)... rotate (GLM), not halves
+    # Per layer: how queries meet keys, and which rotary table (a key of rope_tables) positions it.
+    attention: tuple[AttentionForm, ...] = ()
+    layer_rope: tuple[str, ...] = ()
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes per token for a storage dtype (int8 includes its per-head scales)."""
@@ -111,10 +133,18 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
 
 def spec_from_config(config) -> ModelSpec:
     arch = (getattr(config, "architectures", None) or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in FAMILIES:
         raise UnsupportedModel(f"architecture {arch!r} is not supported; Kev runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     eos = config.eos_token_id
+    family = FAMILIES[arch]
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModel(f"{arch} with activation {act!r}: Kev's MLPs use {', '.join(ACTIVATIONS)}")
+    rope_params = _rope_parameters(config)
+    partial = next(iter(rope_params.values())).get("partial_rotary_factor",
+                                                   getattr(config, "partial_rotary_factor", 1.0))
     return ModelSpec(
         architecture=arch,
         vocab_size=config.vocab_size,
@@ -122,33 +152,74 @@ def spec_from_config(config) -> ModelSpec:
         num_layers=config.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position=config.max_position_embeddings,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+        family=family,
+        activation=ACTIVATIONS[act],
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+        rotary_dim=int(head_dim * partial),
+        rope_interleaved=arch == "GlmForCausalLM",
+        attention=tuple(_attention_form(config, head_dim, i) for i in range(config.num_hidden_layers)),
+        layer_rope=tuple(_layer_type(config, i) if len(rope_params) > 1 else "all"
+                         for i in range(config.num_hidden_layers)),
     )
 
 
-def rope_tables(config, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position, in float32, computed exactly as transformers does (llama3 scaling too)."""
+def _layer_type(config, layer: int) -> str:
+    types = getattr(config, "layer_types", None)
+    return types[layer] if types else "full_attention"
+
+
+def _attention_form(config, head_dim: int, layer: int) -> AttentionForm:
+    """transformers' attention for this layer: Gemma's query_pre_attn_scalar, attention soft cap and
+    sliding layers (layer_types); Mistral's and Phi-3's window on every layer (no layer_types)."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "layer_types", None):
+        window = window if config.layer_types[layer] == "sliding_attention" else None
+    return AttentionForm(scale=(scalar or head_dim) ** -0.5, window=window,
+                         softcap=getattr(config, "attn_logit_softcapping", None))
+
+
+def _rope_parameters(config) -> dict[str, dict]:
+    """Rotary parameters per layer type ("all" where every layer shares them; Gemma 3 has one set for its
+    sliding layers and one for its full ones)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return dict(params)
+    return {"all": params}
+
+
+def rope_tables(config, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin [positions, rotary_dim] in float32 per rotary table (spec.layer_rope names each layer's),
+    computed exactly as transformers does (llama3, linear and yarn scaling too)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # seconds to import: only at model load
 
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    positions = torch.arange(spec.max_position, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :].float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
+    tables = {}
+    for key, params in _rope_parameters(config).items():
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedModel(f"{spec.architecture} with rope_type {rope_type!r}: Kev runs rotary "
+                                   f"embeddings of types {', '.join(ROPE_TYPES)}")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = spec.rotary_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            scaling = 1.0
+        else:
+            layer_type = None if key == "all" else key
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+        positions = torch.arange(spec.max_position, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :].float()
+        emb = torch.repeat_interleave(freqs, 2, dim=-1) if spec.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
+        tables[key] = (emb.cos() * scaling, emb.sin() * scaling)
+    return tables
 
 
 def pick_device(device: str) -> torch.device:

@@ -1,4 +1,4 @@
-"""Kev's own decoder forward (Llama / Qwen2 / Qwen3) over a flat, packed batch of tokens.
+"""Kev's own decoder forward (the Llama layer and its relatives) over a flat, packed batch of tokens.
 
 There is no batch dimension: tokens of every scheduled question lie in one row list, each with its own
 position. Only attention looks across tokens, and it does so through the attention backend, which
@@ -16,11 +16,13 @@ from safetensors.torch import load_file
 
 from engine.deterministic.mode import FAST, MathMode
 from engine.kernels import matmul
+from engine.kernels.block_weight import BlockWeight
+from engine.kernels.attention_form import AttentionForm
 from engine.kernels.layer_stack import LayerStack
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
 from engine.kernels.row_linear import RowWeight
-from engine.model.layers import apply_rope, embed, rms_norm, signed_sin, swiglu
+from engine.model.layers import apply_rope, embed, gelu_tanh_mul, rms_norm, rotate, signed_sin, swiglu
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,9 +47,16 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # gate and up projections fused
     down: torch.Tensor
+    attn_out_norm: torch.Tensor | None = None  # Gemma: normalises attention's output before the residual
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: normalises the MLP's output before the residual
 
 
 MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's weight matrices
+
+
+def _row_weight(matrix) -> RowWeight:
+    """The matrix repacked for row_linear; one already its (a GGUF's BlockWeight) as it is."""
+    return matrix if isinstance(matrix, RowWeight) else RowWeight(matrix)
 
 
 def _unpacked(matrix):
@@ -63,13 +72,18 @@ def _unpacked(matrix):
 
 class Transformer:
     def __init__(self, spec, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mode: MathMode = FAST):
+                 lm_head: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], mode: MathMode = FAST):
         self.spec = spec
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.cos, self.sin_signed = rope[0], signed_sin(rope[1])  # the plain sine is not needed after this
+        # Per rotary table, cos and the signed sine apply_rope takes (the plain sine is not needed after this).
+        self.ropes = {key: (cos, signed_sin(sin, spec.rope_interleaved)) for key, (cos, sin) in rope.items()}
+        self.layer_rope = spec.layer_rope or ("all",) * spec.num_layers
+        self.cos, self.sin_signed = self.ropes[self.layer_rope[0]]  # the layer stack's: one table for every layer
+        # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as transformers does.
+        self.embed_scale = torch.tensor(spec.hidden_size ** 0.5, dtype=embed.dtype) if spec.family == "gemma" else None
         self.matmul: matmul.MatmulChoice | None = None  # set by from_state_dict: which kernel multiplies
         self.mode, self.linear = mode, mode.linear  # from_state_dict checks the weights it ends with: use()
         self.stack: LayerStack | None = None
@@ -82,6 +96,16 @@ class Transformer:
         self.mode = mode
         self.linear = mode.linear
         self.stack = LayerStack.build(self)  # None where part of a layer must run in Python
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is the plain Llama layer (what the C++ layer stack runs): silu MLP, full
+        rotary by halves from one table, norms only before attention and MLP, plain attention."""
+        spec = self.spec
+        plain = AttentionForm.plain(spec.head_dim)
+        return (spec.family == "llama" and spec.activation == "silu" and spec.rotary_dim in (0, spec.head_dim)
+                and not spec.rope_interleaved and len(self.ropes) == 1
+                and all(form == plain for form in spec.attention))
 
     @property
     def matmul_kernel(self) -> str:
@@ -136,8 +160,8 @@ class Transformer:
         the plain matrix. A tied embedding table stays as it is for lookups; the head gets its own copy."""
         for layer in self.layers:
             for name in MATRICES:
-                setattr(layer, name, RowWeight(getattr(layer, name)))
-        self.lm_head = RowWeight(self.lm_head)
+                setattr(layer, name, _row_weight(getattr(layer, name)))
+        self.lm_head = _row_weight(self.lm_head)
 
     @classmethod
     def from_safetensors(cls, spec, path: Path, rope, device, dtype, mode: MathMode = FAST,
@@ -158,15 +182,29 @@ class Transformer:
         def get(name: str) -> torch.Tensor:
             if name not in raw:
                 raise KeyError(f"weight {name!r} is missing from the checkpoint")
-            return raw[name].to(device=device, dtype=dtype).contiguous()
+            value = raw[name]
+            if isinstance(value, BlockWeight):  # a GGUF's matrix in its blocks: multiplied as stored
+                return value
+            return value.to(device=device, dtype=dtype).contiguous()
 
-        layers = [_layer(spec, get, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight as Kev multiplies by it: Gemma stores w and scales by (1 + w), added in fp32."""
+            if spec.family != "gemma":
+                return get(name)
+            return (1.0 + get(name).float()).to(dtype)
+
+        layers = [_layer(spec, get, norm, raw.__contains__, f"model.layers.{i}.") for i in range(spec.num_layers)]
         embed = get("model.embed_tokens.weight")
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
-        cos, sin = (t.to(device=device, dtype=dtype) for t in rope)
-        model = cls(spec, embed, layers, get("model.norm.weight"), lm_head, (cos, sin))
+        if isinstance(rope, tuple):  # one table for every layer (cos, sin)
+            rope = {"all": rope}
+        tables = {key: tuple(t.to(device=device, dtype=dtype) for t in pair) for key, pair in rope.items()}
+        model = cls(spec, embed, layers, norm("model.norm.weight"), lm_head, tables)
         probes = [layers[0].gate_up, layers[0].down]
-        model.matmul = matmul.choose(matmul_kernel, dtype, torch.device(device), probes, quantized=int8)
+        if isinstance(probes[0], BlockWeight):  # a GGUF's blocks: block_linear, row_linear's counterpart
+            model.matmul = matmul.stored_blocks(probes[0].isa)
+        else:
+            model.matmul = matmul.choose(matmul_kernel, dtype, torch.device(device), probes, quantized=int8)
         if int8:
             model.quantize_int8()
         elif model.matmul.kernel == "row_linear":
@@ -183,17 +221,26 @@ class Transformer:
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
         hidden = embed(self.embed, input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         if lora is None and self.stack is not None and self.stack.runs(attend):
             return self.stack.forward(hidden, positions, attend)  # the same bits, without Python per layer
-        cos, sin_signed = self.cos[positions, None], self.sin_signed[positions, None]  # [T, 1, head_dim]
+        # Each table's cos and signed sine at every row's own position: [T, 1, rotary_dim].
+        rows = {key: (cos[positions, None], sin[positions, None]) for key, (cos, sin) in self.ropes.items()}
+        eps = self.spec.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(index, layer, hidden, cos, sin_signed, attend, lora)
-            hidden = hidden + self._mlp(index, layer, hidden, lora)
+            cos, sin_signed = rows[self.layer_rope[index]]
+            out = self._attention(index, layer, hidden, cos, sin_signed, attend, lora)
+            hidden = hidden + (out if layer.attn_out_norm is None else rms_norm(out, layer.attn_out_norm, eps))
+            out = self._mlp(index, layer, hidden, lora)
+            hidden = hidden + (out if layer.mlp_out_norm is None else rms_norm(out, layer.mlp_out_norm, eps))
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits only for the rows that draw a token; prompt rows never reach the output layer."""
-        return self.linear(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
+        logits = self.linear(rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps), self.lm_head)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _project(self, x, weight, lora: LoraRows | None, index: int, name: str, bias=None) -> torch.Tensor:
         out = self.linear(x, weight, bias)
@@ -211,30 +258,41 @@ class Transformer:
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             qk = torch.cat([rms_norm(q, layer.q_norm, spec.rms_norm_eps), rms_norm(k, layer.k_norm, spec.rms_norm_eps)], 1)
         # q and k side by side: one rotary pass for both.
-        q, k = apply_rope(qk, cos, sin_signed).split([spec.num_heads, spec.num_kv_heads], dim=1)
+        q, k = rotate(qk, cos, sin_signed, spec.rope_interleaved).split([spec.num_heads, spec.num_kv_heads], dim=1)
         out = attend(index, q, k, v)
         return self._project(out.reshape(-1, self.q_size), layer.o_proj, lora, index, "o_proj")
 
     def _mlp(self, index, layer: LayerWeights, hidden, lora) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_norm, self.spec.rms_norm_eps)
         gate_up = self._project(x, layer.gate_up, lora, index, "gate_up")
-        return self._project(swiglu(gate_up), layer.down, lora, index, "down")
+        gated = swiglu(gate_up) if self.spec.activation == "silu" else gelu_tanh_mul(gate_up)
+        return self._project(gated, layer.down, lora, index, "down")
 
 
-def _layer(spec, get, prefix: str) -> LayerWeights:
+def _layer(spec, get, norm, stored, prefix: str) -> LayerWeights:
+    """One layer's weights, q/k/v and gate/up fused whether the checkpoint stores them apart or (Phi-3,
+    GLM) together; Gemma's four norms."""
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    qkv = torch.cat([get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
+    fused_qkv = stored(attn + "qkv_proj.weight")
+    qkv = get(attn + "qkv_proj.weight") if fused_qkv else torch.cat(
+        [get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
     bias = None
     if spec.qkv_bias:
-        bias = torch.cat([get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")])
+        bias = get(attn + "qkv_proj.bias") if fused_qkv else torch.cat(
+            [get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")])
+    gate_up = get(mlp + "gate_up_proj.weight") if stored(mlp + "gate_up_proj.weight") else torch.cat(
+        [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
+    gemma = spec.family == "gemma"
     return LayerWeights(
-        input_norm=get(prefix + "input_layernorm.weight"),
+        input_norm=norm(prefix + "input_layernorm.weight"),
         qkv=qkv,
         qkv_bias=bias,
-        q_norm=get(attn + "q_norm.weight") if spec.qk_norm else None,
-        k_norm=get(attn + "k_norm.weight") if spec.qk_norm else None,
+        q_norm=norm(attn + "q_norm.weight") if spec.qk_norm else None,
+        k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
         o_proj=get(attn + "o_proj.weight"),
-        post_norm=get(prefix + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]),
+        post_norm=norm(prefix + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+        gate_up=gate_up,
         down=get(mlp + "down_proj.weight"),
+        attn_out_norm=norm(prefix + "post_attention_layernorm.weight") if gemma else None,
+        mlp_out_norm=norm(prefix + "post_feedforward_layernorm.weight") if gemma else None,
     )

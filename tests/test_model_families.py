@@ -1,0 +1,143 @@
+"""Gemma 2, Gemma 3, Mistral, Phi-3 and GLM: Kev's forward against transformers' on tiny random weights of
+each family's shape, and a question's answer the same alone or packed, through every CPU attention path.
+
+Windows are 8 keys and prompts up to 100 tokens, so every sliding layer hides most of a row's keys; soft
+caps are small enough to bend the scores they cap.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine.model.model import UnsupportedModel, spec_from_config
+
+TOLERANCE = 1e-4  # fp32, max abs logit difference
+NEW_TOKENS = 16
+WINDOW = 8
+
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+FAMILIES = {
+    "mistral": ("MistralForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    # Gemma 2: layer 0 slides, layer 1 sees every key; query_pre_attn_scalar is not head_dim (16).
+    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                         attn_implementation="eager")),
+    "gemma3": ("Gemma3ForCausalLM", dict(sliding_window=WINDOW, query_pre_attn_scalar=32,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         rope_parameters=GEMMA3_ROPE, attn_implementation="eager")),
+    # Phi-3: q/k/v and gate/up stored fused, half of each head rotating, a window on every layer.
+    "phi3": ("Phi3ForCausalLM", dict(sliding_window=WINDOW, partial_rotary_factor=0.5, tie_word_embeddings=False)),
+    # GLM: a quarter of each head rotating by interleaved pairs, q/k/v biases, gate/up fused.
+    "glm": ("GlmForCausalLM", dict(partial_rotary_factor=0.25, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(scope="module")
+def families(harness, smollm2_tokenizer):
+    models = {}
+    for i, kind in enumerate(FAMILIES):
+        hf = harness.build_hf_tiny(kind, seed=300 + i, kinds=FAMILIES)
+        models[kind] = (hf, harness.kev_model_from_hf(hf, smollm2_tokenizer, name=f"tiny-{kind}"))
+    return models
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, families):
+    return families[request.param]
+
+
+def test_each_family_reads_its_config(families):
+    specs = {kind: kev.spec for kind, (_hf, kev) in families.items()}
+    assert {form.window for form in specs["mistral"].attention} == {WINDOW}
+    assert [form.window for form in specs["gemma2"].attention] == [WINDOW, None]
+    assert {(form.scale, form.softcap) for form in specs["gemma2"].attention} == {(24 ** -0.5, 2.0)}
+    assert specs["gemma2"].final_softcap == 3.0 and specs["gemma2"].activation == "gelu_tanh"
+    assert specs["gemma3"].layer_rope == ("sliding_attention", "full_attention") and specs["gemma3"].qk_norm
+    assert specs["phi3"].rotary_dim == 8 and specs["glm"].rotary_dim == 4 and specs["glm"].rope_interleaved
+    for _hf, kev in families.values():  # none of them is the Llama layer the C++ stack runs
+        assert kev.weights.stack is None
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_matches_hf(hf_model, prompt, tokens, kev_logits):
+    reference = hf_logits(hf_model, prompt + tokens[:-1])
+    assert len(kev_logits) == len(tokens) == NEW_TOKENS
+    for step, row in enumerate(kev_logits):
+        expected = reference[len(prompt) - 1 + step]
+        diff = (row - expected).abs().max().item()
+        assert diff <= TOLERANCE, f"step {step}: max |kev - transformers| = {diff:.2e}"
+        assert tokens[step] == int(row.argmax())
+
+
+def questions(harness, lengths, seed=7):
+    rng = random.Random(seed)
+    return [harness.Q(f"q{i}", harness.random_prompt(rng, n), dict(max_new_tokens=NEW_TOKENS, temperature=0.0))
+            for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("paged", ["1", "0"], ids=["paged-rows", "torch-sdpa"])
+def test_logits_match_transformers_packed(family, harness, monkeypatch, paged):
+    """Three questions in one engine, prompts cut into 23-token chunks, through the paged kernel (every row
+    a decode of its own position) or, without it, torch SDPA per prompt and padded decode groups."""
+    monkeypatch.setenv("KEV_PAGED_DECODE", paged)
+    hf, kev = family
+    batch = questions(harness, [100, 13, 71])
+    outcome = harness.run_core(kev, batch, harness.tiny_options(max_tokens_per_step=23))
+    assert max(len(plan) for plan in outcome.plans) > 1
+    for q in batch:
+        assert_matches_hf(hf, q.prompt_ids, outcome.tokens(q.qid), outcome.logits[q.qid])
+
+
+@pytest.mark.parametrize("paged", ["1", "0"], ids=["every-row-as-a-decode", "fixed-tiles"])
+def test_deterministic_mode_is_bitwise_solo_or_packed_and_matches_transformers(family, harness, monkeypatch, paged):
+    monkeypatch.setenv("KEV_PAGED_DECODE", paged)
+    hf, kev = family
+    options = harness.tiny_options(deterministic=True, max_tokens_per_step=64)
+    victim, *others = questions(harness, [40, 25, 30, 5], seed=11)
+    solo = harness.run_core(kev, [victim], options)
+    packed = harness.run_core(kev, others + [victim], options)
+    assert max(len(plan) for plan in packed.plans) > 1
+    for step, (a, b) in enumerate(zip(solo.logits["q0"], packed.logits["q0"], strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max().item():.3e}"
+    assert_matches_hf(hf, victim.prompt_ids, solo.tokens("q0"), solo.logits["q0"])
+
+
+@pytest.mark.parametrize("count,seed", [(1, 1), (7, 3)], ids=["1-neighbour", "7-neighbours"])
+def test_greedy_tokens_solo_equal_packed(family, harness, count, seed):
+    _hf, kev = family
+    victim = questions(harness, [30], seed=1234)[0]
+    solo = harness.run_core(kev, [victim]).tokens("q0")
+    rng = random.Random(seed)
+    others = [harness.Q(f"n{i}", harness.random_prompt(rng, rng.randint(1, 120)),
+                        dict(max_new_tokens=rng.randint(4, NEW_TOKENS), temperature=0.0)) for i in range(count)]
+    packed = harness.run_core(kev, others[: count // 2] + [victim] + others[count // 2:])
+    assert max(len(plan) for plan in packed.plans) == count + 1
+    assert packed.tokens("q0") == solo
+
+
+def test_int8_weights_follow_fp32(families, harness, smollm2_tokenizer):
+    """Gemma 2 with weight-only int8 runs its own (1 + w) norms, caps and windows: near fp32's logits."""
+    hf, kev = families["gemma2"]
+    int8 = harness.kev_model_from_hf(hf, smollm2_tokenizer, name="tiny-gemma2-int8")
+    int8.weights.quantize_int8()
+    prompt = harness.random_prompt(random.Random(5), 40)
+    outcome = harness.run_core(int8, [harness.Q("q", prompt, dict(max_new_tokens=4))])
+    reference = hf_logits(hf, prompt + outcome.tokens("q")[:-1])[len(prompt) - 1:]
+    for row, expected in zip(outcome.logits["q"], reference):  # test_precision.py's bound for int8 weights
+        assert (row - expected).abs().max().item() < 0.08 * expected.abs().max().item()
+
+
+def test_an_unsupported_rope_type_is_named(harness):
+    hf = harness.build_hf_tiny("mistral", kinds=FAMILIES)
+    config = hf.config
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    from engine.model.model import rope_tables
+
+    with pytest.raises(UnsupportedModel, match="rope_type 'dynamic'.*default, linear, llama3, yarn"):
+        rope_tables(config, spec_from_config(config))
