@@ -9,8 +9,10 @@ from kev_async.bench.arguments import positive_int
 from schemas import DEFAULT_MODEL
 
 DESCRIPTION = """\
-Tenants sharing one engine, through Kev's async Engine in this process (scheduler.policy fair against fcfs,
-the same questions, one after another in one run):
+Tenants sharing one engine (scheduler.policy fair against fcfs, the same questions, one after another in one
+run), on two paths: Kev's async Engine in this process, and through Kafka (`kev serve` in this process on a
+fresh embedded broker per run, each question published at its arrival, signed under its tenant; the worker
+reads --read-ahead records per partition ahead and holds --channel-pool-size questions):
 
   flood   tenant "bulk" asks --flood questions at once; --after s later tenant "chat" asks --small short
           ones. Printed: chat's median latency under the flood against chat alone, under each policy, and
@@ -19,7 +21,8 @@ the same questions, one after another in one run):
           printed: the service (tokens prefilled and decoded) each received while both were backlogged,
           against what the weights promise.
 
-Greedy answers; every answer must be the same under every policy (fairness changes order, never tokens).
+Greedy answers; every answer must be the same under every policy and on both paths (fairness changes order,
+never tokens). The two paths' figures are printed side by side at the end.
 """
 
 
@@ -28,6 +31,13 @@ def register(kinds: argparse._SubParsersAction) -> None:
                                 description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     fairness.add_argument("--model", default=DEFAULT_MODEL, help="HF directory, .gguf or built-in name")
     fairness.add_argument("--scenarios", default="flood,shares", help="flood, shares or both (default both)")
+    fairness.add_argument("--paths", default="in_process,kafka",
+                          help="in_process, kafka or both (default both, in process first)")
+    fairness.add_argument("--read-ahead", type=positive_int("--read-ahead"), default=None,
+                          help="through Kafka: kafka.read_ahead, records per partition (default: --batch-size)")
+    fairness.add_argument("--channel-pool-size", type=positive_int("--channel-pool-size"), default=None,
+                          help="through Kafka: router.channel_pool_size (default: 4 x --batch-size, what 4 "
+                               "partitions' windows read ahead)")
     fairness.add_argument("--flood", type=positive_int("--flood"), default=96, help="bulk's questions (default 96)")
     fairness.add_argument("--flood-tokens", type=positive_int("--flood-tokens"), default=64,
                           help="each bulk answer's max_new_tokens (default 64)")
@@ -59,8 +69,16 @@ def _cli(args: argparse.Namespace) -> int:
     if unknown or not scenarios:
         print(f"kev bench fairness: error: --scenarios {args.scenarios!r}: give flood, shares or both", file=sys.stderr)
         return 2
+    path_names = {"in_process": "in process", "kafka": "through Kafka"}
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or set(paths) - set(path_names):
+        print(f"kev bench fairness: error: --paths {args.paths!r}: give in_process, kafka or both", file=sys.stderr)
+        return 2
+    if args.channel_pool_size is not None and args.channel_pool_size < args.batch_size:
+        print("kev bench fairness: error: --channel-pool-size must be at least --batch-size", file=sys.stderr)
+        return 2
     if args.after < 0:
         print("kev bench fairness: error: --after must be 0 or more", file=sys.stderr)
         return 2
-    run_fairness(args, scenarios)
+    run_fairness(args, scenarios, [path_names[p] for p in paths])
     return 0
