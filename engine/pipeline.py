@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from engine.core import EngineCore
 from engine.intake import QuestionRejected
 from engine.options import EngineOptions
 from engine.output.answers import rejected_answers
 from engine.prompt import as_question
-from schemas import AnswerEvent
+from schemas import AnswerEvent, QuestionEvent
 
 Answer = AnswerEvent  # text, token_ids, finish_reason, usage, timings, audit
 
@@ -48,16 +49,25 @@ class IsolatedBatchPipeline:
         """Strings, dicts or QuestionEvents; `params` (max_new_tokens, temperature, ...) fill in defaults.
         Keys Kev does not know go as intake.unknown_fields says (engine/prompt.py): reported in each
         answer's audit.ignored_fields and logged, or refused with QuestionRejected before anything runs."""
+        questions = self._questions(questions, params)
+        answers = {(a.question_id, a.index): a for a in self._answers(questions)}  # (question id, sample)
+        # In the questions' order; a question with params.n has its n answers side by side, by index.
+        return Answers(answers[q.question_id, i] for q in questions for i in range(q.params.n))
+
+    def as_completed(self, questions, **params) -> Iterator[Answer]:
+        """As `run`, each answer yielded the step it finishes (a refused question's first), so a caller can
+        show the short ones while the long ones still decode."""
+        return self._answers(self._questions(questions, params))
+
+    def _questions(self, questions, params: dict) -> list[QuestionEvent]:
         policy = self.options.unknown_fields
-        questions = [as_question(q, i, on_unknown=policy, **params) for i, q in enumerate(questions)]
-        answers: dict[tuple[str, int], Answer] = {}  # (question id, sample)
+        return [as_question(q, i, on_unknown=policy, **params) for i, q in enumerate(questions)]
+
+    def _answers(self, questions: list[QuestionEvent]) -> Iterator[Answer]:
         for question in questions:
             try:
                 self.core.add(question)
             except QuestionRejected as exc:
-                answers.update(((a.question_id, a.index), a) for a in rejected_answers(question, exc))
+                yield from rejected_answers(question, exc)
         while self.core.has_work:
-            for answer in self.core.step().answers:
-                answers[answer.question_id, answer.index] = answer
-        # In the questions' order; a question with params.n has its n answers side by side, by index.
-        return Answers(answers[q.question_id, i] for q in questions for i in range(q.params.n))
+            yield from self.core.step().answers

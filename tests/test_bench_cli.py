@@ -94,3 +94,8 @@ def test_bench_spec_prints_every_workload_method_ratio_and_identical_answers(tin
     rows = [line for line in out.splitlines() if line.startswith(("| extraction |", "| code |", "| chat |"))]
     assert len(rows) == 6
     assert all(line.rstrip().endswith("| yes |") for line in rows)  # speculation changes no answer
+
+
+def test_bench_kafka_refuses_a_transaction_interval_out_of_range_before_loading_a_model():
+    with pytest.raises(SystemExit, match="--transaction-ms 1 to 60000"):
+        main(["bench", "kafka", "--exactly-once", "--model", "no-such-model", "--transaction-ms", "0"])

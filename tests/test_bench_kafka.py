@@ -9,7 +9,7 @@ import math
 import msgspec
 import pytest
 
-from kev_async.bench.kafka import arrival_offsets, bench_kafka
+from kev_async.bench.kafka import PathRun, arrival_offsets, bench_kafka, delivery_report
 from schemas import KevConfig, MetricsConfig
 
 pytestmark = pytest.mark.anyio
@@ -44,3 +44,27 @@ async def test_both_paths_give_the_same_answers_and_token_counts(smollm2, tmp_pa
 def test_arrivals_are_spaced_by_the_rate_or_all_at_once():
     assert arrival_offsets(3, 2.0) == [0.0, 0.5, 1.0]
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def _run(seconds: float, latencies: list[float], errors: int = 0) -> PathRun:
+    run = PathRun("through Kafka", seconds=seconds, errors=errors)
+    for i, latency in enumerate(latencies):
+        run.tokens[f"bench-{i}"], run.latency_s[f"bench-{i}"] = [7, 8, 9, 10], latency
+    return run
+
+
+def test_delivery_report_gives_each_pairs_ratios_their_medians_and_names_runs_with_errors():
+    least = [_run(2.0, [1.0, 2.0]), _run(4.0, [2.0, 4.0]), _run(2.0, [1.0, 1.0])]
+    exactly = [_run(2.5, [1.2, 2.2]), _run(4.0, [2.0, 4.0]), _run(1.0, [1.5, 1.5], errors=1)]
+    exactly[1].tokens["bench-1"] = [7, 8]  # a different answer in one run: not identical everywhere
+    lines = []
+    result = delivery_report(least, exactly, out=lines.append)
+    assert result["pairs"]["goodput"] == pytest.approx([0.8, 0.75, 2.0])  # tokens over each run's seconds
+    assert result["goodput"] == pytest.approx(0.8)
+    assert result["pairs"]["e2e_p50"] == pytest.approx([1.7 / 1.5, 1.0, 1.5])
+    assert result["e2e_p99"] == pytest.approx(2.19 / 1.99)  # p99 of two: 99% of the way to the larger
+    assert result["identical"] == 1 and result["errored"] == ["exactly_once pair 2"]
+    assert "| 2 | exactly_once | 8 | 1 | 1.00 | 8.0 | 1500 | 1500 |" in lines
+    assert "medians: goodput 0.800x (target >= 0.95), e2e p50 1.133x" in lines[-3]
+    assert lines[-2] == "answers identical in every run: 1/2"
+    assert lines[-1].endswith(": exactly_once pair 2")

@@ -140,6 +140,18 @@ def test_answers_also_answer_by_index(tiny_model):
     assert [answer.question_id for answer in answers.values()] == ["q0", "q1"]
 
 
+def test_as_completed_yields_each_answer_the_step_it_finishes(tiny_model):
+    """kev ask prints from it: a refused question first, a 2-token answer before a 12-token one, each the
+    answer run() gives."""
+    questions = [{"prompt": "long", "params": {"max_new_tokens": 12}}, {"prompt": "x" * 9000},
+                 {"prompt": "short", "params": {"max_new_tokens": 2}}]
+    pipe = IsolatedBatchPipeline(tiny_model, options=tiny_greedy())
+    streamed = list(pipe.as_completed(questions))
+    assert [(a.question_id, a.error is not None) for a in streamed] == [("q1", True), ("q2", False), ("q0", False)]
+    whole = IsolatedBatchPipeline(tiny_model, options=tiny_greedy()).run(questions)
+    assert {a.question_id: a.token_ids for a in streamed} == {a.question_id: a.token_ids for a in whole}
+
+
 def test_answers_carry_start_and_end_stamps_as_far_apart_as_e2e(tiny_model):
     pipe = IsolatedBatchPipeline(tiny_model, options=tiny_greedy())
     answers = pipe.run(["hello", "hi there", "x" * 9000], max_new_tokens=5)

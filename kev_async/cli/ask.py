@@ -64,15 +64,17 @@ def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
     pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
     questions = [QuestionEvent(question_id=f"q{i}", prompt=text, system=args.system)
                  for i, text in enumerate(args.questions)]
+    prompts = {question.question_id: question.prompt for question in questions}
     started = time.perf_counter()
-    answers = pipe.run(questions, **params)
-    elapsed = time.perf_counter() - started
-    for question, answer in zip(questions, answers):
-        print(f"[{answer.question_id}] {question.prompt}")
+    answers = []
+    for answer in pipe.as_completed(questions, **params):  # each as it finishes: short answers do not wait
+        answers.append(answer)
+        print(f"[{answer.question_id}] {prompts[answer.question_id]}")
         print(answer.text if not answer.error else f"error {answer.error.code}: {answer.error.message}")
         t = answer.timings
         print(f"  finish={answer.finish_reason} tokens={answer.usage.prompt_tokens}+{answer.usage.completion_tokens}"
-              f" ttft={t.ttft_ms}ms e2e={t.e2e_ms}ms\n")
+              f" ttft={t.ttft_ms}ms e2e={t.e2e_ms}ms\n", flush=True)
+    elapsed = time.perf_counter() - started
     generated = sum(a.usage.completion_tokens for a in answers)
     print(f"{len(answers)} answers, {generated} tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s)")
     return 0
