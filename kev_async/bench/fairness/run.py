@@ -52,10 +52,11 @@ def run_fairness(args: argparse.Namespace, scenarios: list[str], paths: list[str
     return result
 
 
-def _runner(path: str, model, args) -> Callable[[Scenario, str], tuple[list[Outcome], Samples]]:
-    """How `path` runs a scenario under a policy."""
+def _runner(path: str, model, args) -> Callable[..., tuple[list[Outcome], Samples]]:
+    """How `path` runs a scenario under a policy; `sample=True` where the scheduler's service is read."""
     if path == "in process":
-        return lambda scenario, policy: run_in_process(model, _options(args, policy, scenario), scenario)
+        return lambda scenario, policy, sample=False: run_in_process(model, _options(args, policy, scenario),
+                                                                     scenario)
     from kev_async.bench.fairness.through_kafka import kafka_path
 
     return kafka_path(model, _kafka_base(args))
@@ -130,7 +131,7 @@ def _shares(run, args, path: str, out) -> dict:
         out(f"\n== {scenario.name}, {path}: tenants a and b ask {args.backlog} questions each at once "
             f"({args.backlog_tokens} tokens each)")
         out(f"running: policy fair, weights a {weights[0]:g}, b {weights[1]:g}")
-        outcomes, samples = run(scenario, "fair")
+        outcomes, samples = run(scenario, "fair", sample=True)
         served = _served_while_both_wait(samples, ("a", "b"))
         promised = weights[0] / weights[1]
         got = served["a"] / served["b"] if served["b"] else float("inf")

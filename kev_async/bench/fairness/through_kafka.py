@@ -2,7 +2,7 @@
 its arrival time, signed by the bench's key under its tenant (so the tenant is its principal's), its latency
 from its publish to its answer's record timestamp (stamped by the worker's producer as it sends). The
 scheduler's service per tenant is scraped from the worker's metrics endpoint (kev_tenant_*) every SAMPLE_S:
-the same report the in-process path reads from the scheduler."""
+the same report the in-process path reads from the scheduler (only where a scenario's shares are read)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kev_async.bench.fairness.in_process import BENCH_KEY, SAMPLE_S, Outcome, Samples
 from kev_async.bench.fairness.scenarios import Scenario
+from kev_async.logs import quieted
 from schemas import KevConfig, Params, QuestionEvent, decode_answer, encode
 from schemas.config import EMBEDDED_BROKER, TenantConfig, TrustConfig
 from schemas.signing import QUESTION, Signer
@@ -28,14 +29,15 @@ WARM_UP = QuestionEvent(question_id="warm-up", prompt="Say hi.", params=Params(m
 ANSWER_FETCH_WAIT_MS = 100  # the reader's fetch wait: latency ends at the answer's timestamp, not when read
 
 
-def kafka_path(model, base: KevConfig) -> Callable[[Scenario, str], tuple[list[Outcome], Samples]]:
+def kafka_path(model, base: KevConfig) -> Callable[..., tuple[list[Outcome], Samples]]:
     """A scenario runner through Kafka: each run on a fresh embedded broker that its `kev serve` starts (with
     the fast group timings serve gives a broker of its own)."""
-    def run(scenario: Scenario, policy: str) -> tuple[list[Outcome], Samples]:
+    def run(scenario: Scenario, policy: str, *, sample: bool = False) -> tuple[list[Outcome], Samples]:
         kafka = msgspec.structs.replace(base.kafka, bootstrap_servers=EMBEDDED_BROKER,
                                         trust=TrustConfig(keys={BENCH_KEY: BENCH_SECRET}))
         cfg = _for_scenario(msgspec.structs.replace(base, kafka=kafka), scenario, policy)
-        return anyio.run(_run, model, cfg, scenario, backend="asyncio")
+        with quieted("warning"):  # the worker logs every answer and commit at info: the tables would drown
+            return anyio.run(_run, model, cfg, scenario, sample, backend="asyncio")
 
     return run
 
@@ -51,7 +53,7 @@ def _for_scenario(base: KevConfig, scenario: Scenario, policy: str) -> KevConfig
                    metrics=replace(base.metrics, port=_free_port()))
 
 
-async def _run(model, cfg: KevConfig, scenario: Scenario) -> tuple[list[Outcome], Samples]:
+async def _run(model, cfg: KevConfig, scenario: Scenario, sample: bool) -> tuple[list[Outcome], Samples]:
     from consumers.topics import ensure_topics
     from kev_async.app import serve
     from kev_async.runtime.lifecycle import Shutdown
@@ -61,12 +63,12 @@ async def _run(model, cfg: KevConfig, scenario: Scenario) -> tuple[list[Outcome]
         running = await tg.start(partial(serve, cfg, shutdown, model=model))
         kafka = msgspec.structs.replace(cfg.kafka, bootstrap_servers=running.bootstrap_servers)
         await ensure_topics(kafka)  # before the reader subscribes: it would not see a topic made after it
-        outcomes, samples = await _ask_and_read(msgspec.structs.replace(cfg, kafka=kafka), scenario)
+        outcomes, samples = await _ask_and_read(msgspec.structs.replace(cfg, kafka=kafka), scenario, sample)
         shutdown.request("bench finished")
     return outcomes, samples
 
 
-async def _ask_and_read(cfg: KevConfig, scenario: Scenario) -> tuple[list[Outcome], Samples]:
+async def _ask_and_read(cfg: KevConfig, scenario: Scenario, sample: bool) -> tuple[list[Outcome], Samples]:
     from consumers.clients import open_consumer, open_producer
 
     kafka = cfg.kafka
@@ -90,7 +92,8 @@ async def _ask_and_read(cfg: KevConfig, scenario: Scenario) -> tuple[list[Outcom
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(publish)
-            tg.start_soon(_sample, cfg.metrics.port, t0, samples, outcomes, len(scenario.asked))
+            if sample:  # a scrape costs the worker's loop some CPU: only where the shares are read
+                tg.start_soon(_sample, cfg.metrics.port, t0, samples, outcomes, len(scenario.asked))
             while len(outcomes) < len(scenario.asked):
                 batch = await consumer.getmany(timeout_ms=100)
                 for record in (r for records in batch.values() for r in records):
