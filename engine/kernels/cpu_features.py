@@ -49,3 +49,15 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
                 reason=f"this CPU has none of the flags {', '.join(BF16_FLAGS)}: bf16 would be emulated "
                        "and slower than fp32")
     return torch.float32
+
+
+def int8_dot_isa() -> str:
+    """The int8 dot product block_linear.cpp multiplies GGUF blocks with on this CPU: AVX-512 VNNI's or
+    AVX-VNNI's vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, or plain C++ (the build's -march=native sees the same
+    flags; tests/test_block_linear.py checks that they agree)."""
+    flags = cpu_flags()
+    if {"avx512_vnni", "avx512vl", "avx2", "fma"} <= flags:
+        return "avx512-vnni"
+    if {"avx_vnni", "avx2", "fma"} <= flags:
+        return "avx-vnni"
+    return "avx2" if {"avx2", "fma"} <= flags else "plain"

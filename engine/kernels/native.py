@@ -1,6 +1,7 @@
 """Kev's CPU kernels, compiled together into one extension for the host's instruction set.
 
-row_linear.cpp (the row-invariant matmul), paged_decode.cpp (attention read from the block pool in
+row_linear.cpp (the row-invariant matmul), block_linear.cpp (the same promise for GGUF's block formats),
+paged_decode.cpp (attention read from the block pool in
 place) and layer_stack.cpp (RMSNorm, SwiGLU and the whole layer stack in one call, built from the other
 two) are one translation unit: the layer stack calls the same compiled functions the Python forward calls one by one,
 so both give a row the same bits. One set of flags serves all three:
@@ -17,8 +18,9 @@ import pathlib
 from engine.kernels import extension
 
 _HERE = pathlib.Path(__file__).parent
-SOURCES = [_HERE / name for name in ("row_linear.cpp", "paged_decode.cpp", "layer_stack.cpp")]
-FUNCTIONS = ["row_linear", "row_linear_isa", "rms_norm", "paged_decode", "silu_mul", "layer_stack"]
+SOURCES = [_HERE / name for name in ("row_linear.cpp", "block_linear.cpp", "paged_decode.cpp", "layer_stack.cpp")]
+FUNCTIONS = ["row_linear", "row_linear_isa", "block_linear", "block_rows", "block_linear_isa", "rms_norm",
+             "paged_decode", "silu_mul", "layer_stack"]
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 NO_AVX512 = CFLAGS + ("-mno-avx512f",)  # what an AVX2 machine runs

@@ -25,6 +25,10 @@
 #include <immintrin.h>  // declares every ISA's intrinsics; only the build's own are used
 #endif
 
+namespace block_kernels {  // block_linear.cpp: weights kept in GGUF's block formats (a uint8 tensor)
+torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
+}
+
 namespace row_kernels {
 
 constexpr int PANEL = 16;
@@ -391,6 +395,7 @@ torch::Tensor multiply_int8(const torch::Tensor& x, const torch::Tensor& packed,
 
 // Without the GIL: the caller (row_linear below, or the layer stack) has released it.
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  if (packed.scalar_type() == at::ScalarType::Byte) return block_kernels::multiply(x, packed, n);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && packed.is_contiguous(), "row_linear: x [M, K] contiguous");
   const int64_t rows = x.size(0), panel_count = packed.size(0);
   TORCH_CHECK(panel_count * PANEL >= n && n > 0, "row_linear: ", n, " outputs do not fit ", panel_count, " panels");
