@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -61,15 +60,19 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from consumers.clients import fetch, open_consumer
-from consumers.record_guard import unreadable
+from consumers.control_gate import (CANCEL_KEY_PREFIX, DUPLICATE, Command, ControlGate, Rejected, Sequences,
+                                    purpose_of, shown_key)
 from consumers.topics import COMPACTED, create_topics
-from schemas import ControlEvent, InvalidControl, KafkaConfig, control_key, decode_control, encode
-from schemas.signing import CANCEL, CONTROL, Purpose, Signer, Verification, Verifier
+from schemas import ControlEvent, KafkaConfig, control_key, decode_control, encode
+from schemas.signing import Signer
+
+# Re-exported: the readers, the history and the audit name the gate's types beside the reader.
+__all__ = ["CANCEL_KEY_PREFIX", "CANCEL_MAX_AGE_S", "DUPLICATE", "Command", "ControlGate", "Rejected", "Sequences",
+           "caught_up", "cancel_age_ms", "control_record", "purpose_of", "run_control_reader", "send_control"]
 
 log = structlog.get_logger("kev.consumers.control")
 
 CANCEL_MAX_AGE_S = 600.0  # a cancel older than this (record timestamp) is history: not sent on, tombstoned
-CANCEL_KEY_PREFIX = b"cancel:"  # a cancel's record key (control_key): signed for CANCEL, every other command CONTROL
 # Said with an unsigned command skipped: what an operator upgrading from unsigned control does about it.
 UNSIGNED_HINT = ("control commands are applied only when signed (kafka.trust): publish this command again, "
                  "signed (consumers.control.send_control with a key in kafka.trust)")
@@ -173,7 +176,7 @@ class _ControlReader:
             return checked
         if checked == DUPLICATE:
             self.duplicates += 1
-            log.debug("control.duplicate", offset=record.offset, key=_shown(record.key))
+            log.debug("control.duplicate", offset=record.offset, key=shown_key(record.key))
             return None
         log.warning("control.skipped", topic=record.topic, partition=record.partition, offset=record.offset,
                     reason=checked.reason, message=checked.message,
@@ -217,12 +220,6 @@ def _unsigned_hint(checked: Rejected, record: ConsumerRecord) -> dict:
             **({"path": event.path} if event.path else {}), **({"defaults": event.defaults} if event.defaults else {})}
 
 
-def purpose_of(key: bytes | None) -> Purpose:
-    """What a control record is signed for: CANCEL under a cancel's key, CONTROL under any other. The gate
-    then holds the command to that key (wrong_key), so a cancel-only key can sign nothing but cancels."""
-    return CANCEL if key is not None and key.startswith(CANCEL_KEY_PREFIX) else CONTROL
-
-
 def control_record(event: ControlEvent, signer: Signer, topic: str, *,
                    sequence: int | None = None) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
     """(key, value, headers) of a command signed for `topic`, as the control topic takes it. A command's
@@ -235,97 +232,3 @@ async def send_control(producer, topic: str, event: ControlEvent, signer: Signer
     """Publish one signed command with a started AIOKafkaProducer and wait for its ack."""
     key, value, headers = control_record(event, signer, topic)
     return await producer.send_and_wait(topic, value, key=key, headers=headers)
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """Why a control record is not applied; `reason` goes to the dead letter's dlq.reason header."""
-
-    # unsigned | forged | unknown_key | out_of_scope | wrong_key | stale_sequence | decode_crashed |
-    # InvalidControl's reasons | the fetch guard's reasons
-    reason: str
-    message: str
-    key_id: str | None = None  # the key a signed, forged or out-of-scope record named
-
-
-@dataclass(frozen=True)
-class Command:
-    """A control record that passed the gate: its command, who signed it, and its signed stamp."""
-
-    event: ControlEvent
-    key_id: str
-    stamp: int  # the sequence number (a command) or the signing time in ms (a cancel)
-
-
-class ControlGate:
-    """The checks a control record passes before it is applied: signature (topic, key, scope), then decoding,
-    then its record key. The sequence number is checked against the history by `Sequences`."""
-
-    def __init__(self, cfg: KafkaConfig) -> None:
-        self.verifier = Verifier.from_config(cfg.trust)
-        self.max_bytes = cfg.limits.max_control_bytes
-
-    def check(self, record: ConsumerRecord) -> Command | Rejected:
-        if (broken := unreadable(record)) is not None:  # never a command, whatever it says
-            return Rejected(broken.reason, broken.message)
-        value = record.value if record.value is not None else b""
-        verification = self.verifier.verify(purpose_of(record.key), record.topic, record.key, value, record.headers)
-        if not verification.trusted:
-            return _untrusted(verification, self.verifier.knows(verification.key_id))
-        try:
-            event = decode_control(value, max_bytes=self.max_bytes)
-        except InvalidControl as bad:
-            return Rejected(bad.reason, bad.message)
-        except Exception as error:  # noqa: BLE001 - a decoder bug must not stop the reader
-            log.exception("control.decode_crashed", offset=record.offset)
-            return Rejected("decode_crashed", repr(error)[:1000])
-        expected = control_key(event)
-        if record.key != expected:
-            return Rejected("wrong_key", f"record key {_shown(record.key)!r} does not name what the command "
-                                         f"changes; expected {expected!r}")
-        return Command(event, verification.key_id or "", verification.stamp or 0)
-
-
-def _untrusted(verification: Verification, key_known: bool) -> Rejected:
-    if verification.verdict == "unsigned":
-        return Rejected("unsigned", "not signed: commands must carry kev-key-id and kev-signature headers "
-                                    "by a key in kafka.trust")
-    if not key_known:
-        return Rejected("unknown_key", f"signed by key {verification.key_id!r}, which is not in kafka.trust here "
-                                       "(removed in a rotation? see kev control resign)", verification.key_id)
-    return Rejected(verification.verdict, verification.reason, verification.key_id)  # forged | out_of_scope
-
-
-DUPLICATE = "duplicate"  # Sequences.admit: the record applied last for its key, again
-
-
-class Sequences:
-    """The last applied command of each record key: its sequence number, value and record. A command is
-    applied only when its number is above its key's last; the same number with the same value is the
-    same command again (DUPLICATE). Cancels are not sequenced (they carry their signing time)."""
-
-    def __init__(self) -> None:
-        self.last: dict[bytes, tuple[Command, ConsumerRecord]] = {}
-
-    def admit(self, record: ConsumerRecord, command: Command) -> Command | Rejected | str:
-        if command.event.action == "cancel":
-            return command
-        key = record.key or b""
-        if (last := self.last.get(key)) is not None and command.stamp <= last[0].stamp:
-            applied, applied_record = last
-            if command.stamp == applied.stamp and record.value == applied_record.value:
-                return DUPLICATE
-            return Rejected("stale_sequence", f"sequence {command.stamp} is not above {applied.stamp}, the last "
-                                              f"applied for {_shown(key)!r} (offset {applied_record.offset}): an "
-                                              "older command published again, or a signer whose clock is behind",
-                            command.key_id)
-        self.last[key] = (command, record)
-        return command
-
-    def current(self, key: bytes | None) -> tuple[Command, ConsumerRecord] | None:
-        """The command in force for `key` (the last applied) and its record, if any."""
-        return self.last.get(key or b"")
-
-
-def _shown(key: bytes | None) -> bytes | None:
-    return key[:100] if key is not None else None
