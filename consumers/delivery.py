@@ -109,9 +109,12 @@ def cut_answer(answer: AnswerEvent, size_of: Callable[[AnswerEvent], int], limit
 
 
 def _cut(answer: AnswerEvent, keep: float) -> AnswerEvent:
+    """The same share of text and tokens kept; logprobs (params.logprobs) stay one per kept token."""
     text, tokens = answer.text, answer.token_ids
-    return msgspec.structs.replace(answer, text=text[:int(len(text) * keep)],
-                                   token_ids=tokens[:int(len(tokens) * keep)], truncated=True)
+    kept = int(len(tokens) * keep)
+    logprobs = None if answer.logprobs is None else answer.logprobs[:kept]
+    return msgspec.structs.replace(answer, text=text[:int(len(text) * keep)], token_ids=tokens[:kept],
+                                   logprobs=logprobs, truncated=True)
 
 
 class Retries:

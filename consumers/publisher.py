@@ -29,6 +29,10 @@ assignment is known, so the answers of the partitions this worker keeps are not 
 
 With exactly_once delivery (`transactions`), what ends a question goes out in its partition's Kafka
 transaction and settles at its commit; deltas stay outside any transaction (consumers/transactions.py).
+
+A question with params.n samples has n answers (consumers/samples.py): they are gathered, sent together
+(one transaction for all under exactly_once, so a crash redoes all or none), and its position is done
+once the last of them is acked. A reader tells them apart by (question_id, index).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Position, new_attempt
 from consumers.records import Headers, RecordBuilder
 from consumers.reply_topics import ReplyTopics
+from consumers.samples import Samples
 from consumers.sender import ACK_WAIT_S, Sender
 from consumers.transactions import Transactions
 from schemas import ANONYMOUS, AnswerDelta, AnswerEvent, KafkaConfig, Principal
@@ -81,7 +86,9 @@ class Publisher:
         self.retry_s = cfg.publish_retry_ms / 1000 if retry_s is None else retry_s
         self._records = RecordBuilder(cfg, max_request_size - SIZE_HEADROOM)
         self._task_group = anyio.create_task_group()
-        self._sender = Sender(producer, ledger, on_settled, self._task_group, ReplyTopics(avoid_s), self.counts,
+        self._on_settled = on_settled
+        self._samples = Samples()
+        self._sender = Sender(producer, ledger, self._settled, self._task_group, ReplyTopics(avoid_s), self.counts,
                               max_in_flight=max_in_flight, retry_s=self.retry_s, transactions=transactions)
 
     async def __aenter__(self) -> "Publisher":
@@ -102,7 +109,9 @@ class Publisher:
         match outbound.event:
             case AnswerEvent() as answer:
                 log.debug("answer_taken", question_id=answer.question_id)  # a stage stamp, as question_taken
-                await self._answer(answer, source)
+                group = self._samples.gather(answer, source)
+                if group is not None:
+                    await self._answer(group, source)
             case AnswerDelta() as delta if source.question.stream:
                 await self._delta(delta, source)
             case AnswerDelta():
@@ -133,28 +142,41 @@ class Publisher:
         `timestamp_ms`: the source's publish time, which the question's deadline counts from."""
         await self._sender.send(self._records.forward(topic, key, value, headers, partition, source, timestamp_ms))
 
-    async def _answer(self, answer: AnswerEvent, source: Inbound) -> None:
-        ours = self._ours_now(answer, source)
+    async def _answer(self, answers: list[AnswerEvent], source: Inbound) -> None:
+        """A question's answers, one per sample (params.n), decided and sent together."""
+        ours = self._ours_now(answers[0], source)
         if ours is None:  # a rebalance is under way: decide when it is over, without holding up the loop
-            self._task_group.start_soon(self._answer_after_rebalance, answer, source)
+            self._task_group.start_soon(self._answer_after_rebalance, answers, source)
         elif ours:
-            await self._publish_answer(answer, source)
+            await self._publish_answers(answers, source)
         else:
-            self._leave_to_new_owner(answer, source)
+            self._leave_to_new_owner(answers[0], source)
 
-    async def _answer_after_rebalance(self, answer: AnswerEvent, source: Inbound) -> None:
-        if await self._still_ours(answer, source):
-            await self._publish_answer(answer, source)
+    async def _answer_after_rebalance(self, answers: list[AnswerEvent], source: Inbound) -> None:
+        if await self._still_ours(answers[0], source):
+            await self._publish_answers(answers, source)
         else:
-            self._leave_to_new_owner(answer, source)
+            self._leave_to_new_owner(answers[0], source)
 
-    async def _publish_answer(self, answer: AnswerEvent, source: Inbound) -> None:
-        answer = _stamped(answer, source.principal, source.attempt)
-        reply_topic = source.question.reply_topic
-        kind = "error_answers" if answer.finish_reason == "error" else "answers"
-        await self._sender.send(self._records.answer(reply_topic or self.cfg.answers_topic, answer, kind,
-                                                     (source.position,), source.question.question_id,
-                                                     finishes=source.key, window_s=self._reply_window(source)))
+    async def _publish_answers(self, answers: list[AnswerEvent], source: Inbound) -> None:
+        """Each sample's answer settles the question's position, which is done once the last is acked; all go
+        into one transaction with exactly_once, so a question's samples commit (or are redone) together."""
+        self._samples.settling(source.position, len(answers))
+        records = []
+        for i, answer in enumerate(answers):
+            answer = _stamped(answer, source.principal, source.attempt)
+            kind = "error_answers" if answer.finish_reason == "error" else "answers"
+            records.append(self._records.answer(
+                source.question.reply_topic or self.cfg.answers_topic, answer, kind, (source.position,),
+                source.question.question_id, finishes=source.key if i == len(answers) - 1 else None,
+                window_s=self._reply_window(source)))
+        await self._sender.send_together(records)
+
+    def _settled(self, positions: Sequence[Position]) -> None:
+        """The sender's acks; a position of a question with several samples passes on at its last."""
+        done = self._samples.settled(positions)
+        if done:
+            self._on_settled(done)
 
     async def _delta(self, delta: AnswerDelta, source: Inbound) -> None:
         delta = msgspec.structs.replace(delta, attempt=source.attempt)

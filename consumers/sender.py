@@ -70,16 +70,39 @@ class Sender:
         self._unacked = 0
         self._acked = anyio.Event()
 
-    async def send(self, record: Record, *, home: int | None = None) -> None:
+    async def send_together(self, records: list[Record]) -> None:
+        """Queue records that settle the same source (a question's samples): with exactly_once all go into one
+        transaction, entered once for all of them, so no commit falls between two of them."""
+        if self.transactions is None or len(records) == 1 or not records[0].settles:
+            for record in records:
+                await self.send(record)
+            return
+        txn = await self.transactions.enter(records[0].settles[0].partition_key, places=len(records))
+        if txn is None:
+            for record in records:
+                self._left_to_new_owner(record)
+            return
+        for i, record in enumerate(records):
+            try:
+                await self.send(record, entered=txn)
+            except BaseException:
+                for _ in records[i + 1:]:  # their places are nobody's now
+                    txn.leave()
+                raise
+
+    async def send(self, record: Record, *, home: int | None = None, entered: Transaction | None = None) -> None:
         """Queue the record (in call order, so one question's deltas precede its answer); a task settles it.
-        `home`: the questions partition of a record that settles none (a delta), for exactly_once's affinity."""
+        `home`: the questions partition of a record that settles none (a delta), for exactly_once's affinity.
+        `entered`: the transaction send_together took a place in for it."""
         if record.reply and (unusable := self.reply_topics.unusable(record.topic)) is not None:
             record = self._fail_fast(record, unusable)
             if record is None:
+                if entered is not None:
+                    entered.leave()
                 return
         await self._slots.acquire()
         try:
-            txn = await self._transaction(record)
+            txn = entered if entered is not None else await self._transaction(record)
         except BaseException:
             self._slots.release()
             raise
@@ -106,12 +129,15 @@ class Sender:
             return None
         txn = await self.transactions.enter(record.settles[0].partition_key)
         if txn is None:
-            if record.finishes is not None:
-                self.ledger.abandon(record.finishes)
-            log.info("answer_left_to_new_owner", kind=record.kind, question_id=record.question_id,
-                     source_partition=record.settles[0].partition, source_offset=record.settles[0].offset)
+            self._left_to_new_owner(record)
             return False
         return txn
+
+    def _left_to_new_owner(self, record: Record) -> None:
+        if record.finishes is not None:
+            self.ledger.abandon(record.finishes)
+        log.info("answer_left_to_new_owner", kind=record.kind, question_id=record.question_id,
+                 source_partition=record.settles[0].partition, source_offset=record.settles[0].offset)
 
     async def quiesce(self, timeout: float = ACK_WAIT_S) -> None:
         """Wait (bounded) until every record sent so far is acked or has failed."""

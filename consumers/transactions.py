@@ -213,10 +213,10 @@ class Transactions:
         return committed
 
     # -- sending --------------------------------------------------------------------------------------------
-    async def enter(self, partition: Partition) -> Transaction | None:
-        """The partition's transaction to send one record into (begun if none is open), once it is not
-        committing; the caller calls `leave()` when the record is acked, replaced or given up. None: the
-        partition is not this worker's (revoked meanwhile): the record is left to its new owner."""
+    async def enter(self, partition: Partition, places: int = 1) -> Transaction | None:
+        """The partition's transaction to send `places` records into (begun if none is open), once it is not
+        committing; the caller calls `leave()` when each record is acked, replaced or given up. None: the
+        partition is not this worker's (revoked meanwhile): the records are left to its new owner."""
         partition = Partition(*partition)
         if partition not in self._owned:
             with anyio.move_on_after(self.window_s):
@@ -229,15 +229,16 @@ class Transactions:
             return None
         if txn.in_play == 0:
             txn._idle = anyio.Event()
-        txn.in_play += 1  # before any wait: a commit now waits for this record
-        txn.records += 1
+        txn.in_play += places  # before any wait: a commit now waits for these records
+        txn.records += places
         try:
             async with txn.beginning:  # aiokafka's begin_transaction waits a moment: begin once
                 if txn.began is None:
                     await txn.producer.begin_transaction()
                     txn.began = time.monotonic()
         except BaseException:
-            txn.leave()
+            for _ in range(places):
+                txn.leave()
             raise
         if txn.records >= self.every:
             self._wake.set()

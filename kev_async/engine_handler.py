@@ -9,10 +9,11 @@ Taking still waits for one of `max_in_flight` places, which a question holds unt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
@@ -39,6 +40,7 @@ class Taken:
     published_ms: int | None
     principal: Principal
     cancelled: bool = False  # a cancel came before the engine knew the question: it must still land
+    sent: set[int] = field(default_factory=set)  # the samples (params.n) whose answer went to the outbox
 
 
 def is_control(message: Any) -> bool:
@@ -109,7 +111,11 @@ class MessageHandler:
                 failed = error_answer(question.question_id, question.request_id, "engine_failed",
                                       "the engine failed while answering; the question was not finished")
                 try:
-                    await self.outbox.send(self.wrap(failed, taken.source))
+                    for index in range(question.params.n):  # each sample not answered yet
+                        if index not in taken.sent:
+                            await self.outbox.send(self.wrap(msgspec.structs.replace(failed, index=index),
+                                                             taken.source))
+                            taken.sent.add(index)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     break
                 del self.taken[taken]
@@ -136,7 +142,9 @@ class MessageHandler:
             if question.stream:
                 async for delta in self.engine.stream(handle):
                     await self.outbox.send(self.wrap(delta, taken.source))
-            await self.outbox.send(self.wrap(await self.engine.wait(handle), taken.source))
+            for answer in await handle.wait_all():  # params.n: one answer per sample, sent together
+                await self.outbox.send(self.wrap(answer, taken.source))
+                taken.sent.add(answer.index)
             del self.taken[taken]
             self.early_cancels.answered(question.question_id)
         finally:
