@@ -2,7 +2,7 @@
 broker, an in-process worker on a tiny random-weight Llama, and the gateway. No mocks on the path.
 
 - chat and legacy completions, whole and streamed (a seeded sampled stream joins to the whole answer's
-  text), `models.list()`, adapters from kev.control, auth (401), n=2 and other bad input (4xx in
+  text), `models.list()`, adapters from kev.control, auth (401), a greedy n=2 and other bad input (4xx in
   OpenAI's error shape, nothing published);
 - a stream the client abandons is cancelled: the worker ends the question `cancelled` and frees its
   KV blocks;
@@ -188,9 +188,9 @@ def test_bad_key_is_401_and_tenant_comes_from_the_key(stack):
     assert [q.tenant for q in asked] == [TENANT]
 
 
-def test_n_2_is_a_400_naming_n(client):
+def test_greedy_n_2_is_a_400_naming_n(client):
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model=MODEL, messages=SEA, n=2)
+        client.chat.completions.create(model=MODEL, messages=SEA, n=2, temperature=0)
     assert error.value.status_code == 400 and error.value.body["param"] == "n"
 
 
@@ -203,7 +203,9 @@ def test_n_2_is_a_400_naming_n(client):
     ({"model": MODEL, "messages": SEA, "temperature": -1}, 400, "temperature"),          # out of range
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2001}]}, 400, "messages"),  # too long
     ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
-    ({"model": MODEL, "messages": SEA, "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": SEA, "top_logprobs": 2}, 400, "top_logprobs"),         # without logprobs
+    ({"model": MODEL, "messages": SEA, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": SEA, "n": 17, "temperature": 1}, 400, "n"),
     (b"{" + b" " * 1_000_001 + b"}", 413, None),
 ])
 def test_bad_input_gets_an_openai_error_and_publishes_nothing(stack, body, status, param):
@@ -219,7 +221,8 @@ def test_nothing_bad_reaches_the_questions_topic(stack):
     kafka = stack.cfg.kafka
     count = partial(read_topic, kafka.bootstrap_servers, kafka.questions_topic, 10**6, timeout=1.0, linger=0)
     before = len(run(count))
-    for body in ({"model": MODEL, "messages": SEA, "n": 3}, {"model": MODEL, "messages": SEA, "max_tokens": 0},
+    for body in ({"model": MODEL, "messages": SEA, "n": 3, "temperature": 0},
+                 {"model": MODEL, "messages": SEA, "max_tokens": 0},
                  {"model": MODEL, "prompt": ["a", "b"]}):
         assert post(stack, "/v1/chat/completions", body).status_code == 400
     assert post(stack, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}).status_code == 400

@@ -201,7 +201,7 @@ async def kept_answer(request: Request) -> Response:
         raise ApiError(404, f"No kept answer {answer_id[:80]!r}: only the answers of restarted streams are kept, "
                             f"for a few minutes, for the API key's tenant.", code="not_found")
     shape = chat_completion if chat else text_completion
-    return _json(shape(kept.answer, id_=answer_id, model=kept.model, created=kept.created,
+    return _json(shape([kept.answer], id_=answer_id, model=kept.model, created=kept.created,
                        show_cached=not caller.anonymous), headers=kev_headers(kept.answer, audit=caller.audit))
 
 
@@ -239,18 +239,22 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
     if parsed.stream:
         return AnswerStream(gateway, question, parsed, caller=caller, chat=chat, wait_s=wait_s, started=started,
                             arrived_ms=arrived_ms)
-    answer = await _ask(request, gateway, question, wait_s, arrived_ms)
-    raise_for_error(answer)
+    answers = await _ask(request, gateway, question, wait_s, arrived_ms)
+    for answer in answers:
+        raise_for_error(answer)
     shape = chat_completion if chat else text_completion
-    body = shape(answer, id_=question_id, model=parsed.model, created=int(time.time()),
+    body = shape(answers, id_=question_id, model=parsed.model, created=int(time.time()),
                  show_cached=not caller.anonymous)
-    return _json(body, headers={"x-request-id": question_id, **kev_headers(answer, audit=caller.audit)})
+    return _json(body, headers={"x-request-id": question_id, **kev_headers(answers[0], audit=caller.audit)})
 
 
-async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float, arrived_ms: int):
-    """Publish, then wait for the answer, the deadline, or the client leaving (the last two cancel it)."""
+async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float,
+               arrived_ms: int) -> list[AnswerEvent]:
+    """Publish, then wait for the answers (one per sample, params.n), the deadline, or the client leaving (the
+    last two cancel it)."""
     answer, hung_up = None, False
-    with gateway.replies.expect(question.question_id) as pending, gateway.metrics.waiting():
+    with gateway.replies.expect(question.question_id, samples=question.params.n) as pending, \
+            gateway.metrics.waiting():
         await gateway.publish(question, arrived_ms)
         try:
             answer, hung_up = await _answer_or_hangup(pending, request.receive, wait_s)
@@ -261,7 +265,7 @@ async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait
         raise ClientGone(f"hung up waiting for the answer; {question.question_id} cancelled")
     if answer is None:
         raise ApiError(504, f"No answer within {wait_s:g} s; the question was cancelled.", code="timeout")
-    return answer
+    return pending.ordered()
 
 
 async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> tuple[AnswerEvent | None, bool]:

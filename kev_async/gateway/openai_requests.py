@@ -2,7 +2,7 @@
 into Kev's QuestionEvent.
 
 Unknown fields are rejected, as OpenAI does ("Unrecognized request argument supplied"). Fields OpenAI
-has and Kev cannot honour (n > 1, penalties, logprobs, tools, ...) are accepted only at their neutral
+has and Kev cannot honour (penalties, best_of, echo, tools, ...) are accepted only at their neutral
 value; anything else is a 400 naming the field, so a client never gets an answer that silently
 ignored what it asked for. The finished question goes through `decode_question`, the same gate a
 worker applies, so whatever a worker would refuse is refused here, before anything is published.
@@ -54,6 +54,8 @@ class _Common(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Kev extensions, spelled as vLLM spells them; OpenAI clients send them through `extra_body`.
     top_k: int | None = None
     repetition_penalty: float | None = None
+    allow_identical_samples: bool | None = None  # n > 1 at temperature 0: n identical answers, if that is meant
+    logprobs_mode: Literal["raw", "processed"] | None = None  # raw (the model's, the default) or processed
     # Accepted and ignored: they change nothing about the answer (`user` is NOT the tenant).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -87,13 +89,10 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
 
 # field -> is this value one Kev honours by doing nothing?
 _NEUTRAL = {
-    "n": lambda v: v in (None, 1),
     "best_of": lambda v: v in (None, 1),
     "frequency_penalty": lambda v: not v,
     "presence_penalty": lambda v: not v,
     "logit_bias": lambda v: not v,
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "tools": lambda v: not v,
@@ -109,7 +108,9 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
 # Kev's question fields, named as the OpenAI request names them.
 _PARAM_NAMES = {"params.max_new_tokens": "max_tokens", "params.temperature": "temperature", "params.top_p": "top_p",
                 "params.top_k": "top_k", "params.seed": "seed", "params.repetition_penalty": "repetition_penalty",
-                "params.stop": "stop", "adapter": "model"}
+                "params.stop": "stop", "adapter": "model", "params.n": "n", "params.logprobs": "logprobs",
+                "params.top_logprobs": "top_logprobs", "params.logprobs_mode": "logprobs_mode",
+                "params.allow_identical_samples": "allow_identical_samples"}
 
 
 def parse_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
@@ -176,8 +177,19 @@ def _params(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     params = {"max_new_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
               "seed": request.seed, "top_k": request.top_k, "repetition_penalty": request.repetition_penalty,
-              "stop": stop, "response_format": request.response_format}
+              "stop": stop, "response_format": request.response_format, "n": request.n,
+              "allow_identical_samples": request.allow_identical_samples, "logprobs_mode": request.logprobs_mode,
+              **_logprobs(request)}
     return {key: value for key, value in params.items() if value is not None}
+
+
+def _logprobs(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """Chat: logprobs (bool) and top_logprobs (0..20); completions: logprobs, the number of alternatives."""
+    if isinstance(request, ChatRequest):
+        return {"logprobs": request.logprobs or None, "top_logprobs": request.top_logprobs}
+    if request.logprobs is None:
+        return {}
+    return {"logprobs": True, "top_logprobs": request.logprobs}
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, str]:
@@ -238,6 +250,9 @@ def _refused(bad: InvalidQuestion, *, chat: bool) -> ApiError:
     param = _PARAM_NAMES.get(field, field.split(".")[0].split("[")[0] or None)
     if chat and param == "prompt":  # the worker's gate counts the messages as the prompt
         param = "messages"
+    if not chat and param == "top_logprobs":  # /v1/completions names the count `logprobs`
+        param = "logprobs"
+    reason = reason.replace("params.", "")  # the request's own names
     message = f"{param}: {reason}" if reason and param != field else bad.message
     code = "context_length_exceeded" if bad.code == "too_large" else bad.code
     return bad_request(message, param=param, code=code)

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from kev_async.gateway.errors import ApiError
-from schemas import AnswerEvent
+from schemas import AnswerEvent, TokenLogprob
 
 _JSON = msgspec.json.Encoder()
 
@@ -28,10 +28,13 @@ ERROR_STATUS = {"invalid_field": 400, "empty_prompt": 400, "too_large": 400, "pr
                 "unknown_adapter": 404, "adapter_error": 500, "overloaded": 429, "answer_too_large": 500}
 
 
-def usage(answer: AnswerEvent, *, show_cached: bool = True) -> dict[str, Any]:
-    """`show_cached=False` (anonymous callers): cached_tokens 0, so nobody learns about anyone's prefixes."""
-    prompt, completion = answer.usage.prompt_tokens, answer.usage.completion_tokens
-    cached = answer.usage.cached_prompt_tokens if show_cached else 0
+def usage(answers: AnswerEvent | list[AnswerEvent], *, show_cached: bool = True) -> dict[str, Any]:
+    """The prompt once, the completions of every sample (params.n) summed, as OpenAI counts n choices.
+    `show_cached=False` (anonymous callers): cached_tokens 0, so nobody learns about anyone's prefixes."""
+    answers = answers if isinstance(answers, list) else [answers]
+    prompt = answers[0].usage.prompt_tokens
+    completion = sum(answer.usage.completion_tokens for answer in answers)
+    cached = answers[0].usage.cached_prompt_tokens if show_cached else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -53,47 +56,77 @@ def raise_for_error(answer: AnswerEvent) -> None:
     raise ApiError(ERROR_STATUS.get(code, 500), message, code=code)
 
 
-def chat_completion(answer: AnswerEvent, *, id_: str, model: str, created: int,
+def chat_completion(answers: list[AnswerEvent], *, id_: str, model: str, created: int,
                     show_cached: bool = True) -> dict[str, Any]:
-    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer, show_cached=show_cached), "system_fingerprint": None}
+    """One choice per sample (params.n), by index."""
+    choices = [{"index": a.index, "message": {"role": "assistant", "content": a.text, "refusal": None},
+                "logprobs": chat_logprobs(a.logprobs), "finish_reason": finish_reason(a)} for a in answers]
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(answers, show_cached=show_cached), "system_fingerprint": None}
 
 
-def text_completion(answer: AnswerEvent, *, id_: str, model: str, created: int,
+def text_completion(answers: list[AnswerEvent], *, id_: str, model: str, created: int,
                     show_cached: bool = True) -> dict[str, Any]:
-    return {"id": id_, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": answer.text, "logprobs": None, "finish_reason": finish_reason(answer)}],
-            "usage": usage(answer, show_cached=show_cached), "system_fingerprint": None}
+    choices = [{"index": a.index, "text": a.text, "logprobs": completion_logprobs(a.logprobs),
+                "finish_reason": finish_reason(a)} for a in answers]
+    return {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(answers, show_cached=show_cached), "system_fingerprint": None}
+
+
+def chat_logprobs(entries: tuple[TokenLogprob, ...] | None) -> dict[str, Any] | None:
+    """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and top_logprobs alike."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                                          for t in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: tuple[TokenLogprob, ...] | None, offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions shape: parallel lists, top_logprobs a {token text: logprob} dict per token, and
+    each token's character offset in the text (from `offset`: a stream's characters sent before)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
 
 class ChunkMaker:
-    """The chunks of one streamed answer, in one of the two streaming shapes."""
+    """The chunks of one streamed answer, in one of the two streaming shapes; a choice per sample (params.n)."""
 
     def __init__(self, *, chat: bool, id_: str, model: str, created: int) -> None:
         self.chat = chat
         self.head = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model, "system_fingerprint": None}
+        self._offsets: dict[int, int] = {}  # sample -> characters of token text sent (completions' text_offset)
 
-    def first(self) -> dict[str, Any] | None:
+    def first(self, index: int = 0) -> dict[str, Any] | None:
         """OpenAI opens a chat stream with the role and empty content; completions have no opener."""
-        return self._choice({"role": "assistant", "content": ""}, None) if self.chat else None
+        return self._choice(index, {"role": "assistant", "content": ""}, None) if self.chat else None
 
-    def text(self, text: str) -> dict[str, Any]:
-        return self._choice({"content": text} if self.chat else text, None)
+    def text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
+        return self._choice(index, {"content": text} if self.chat else text, None, logprobs)
 
     def last(self, answer: AnswerEvent) -> dict[str, Any]:
-        return self._choice({} if self.chat else "", finish_reason(answer))
+        return self._choice(answer.index, {} if self.chat else "", finish_reason(answer))
 
-    def usage(self, answer: AnswerEvent, *, show_cached: bool = True) -> dict[str, Any]:
-        return {**self.head, "choices": [], "usage": usage(answer, show_cached=show_cached)}
+    def usage(self, answers: list[AnswerEvent], *, show_cached: bool = True) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage(answers, show_cached=show_cached)}
 
-    def _choice(self, delta: Any, reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, delta: Any, reason: str | None,
+                logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            shown = completion_logprobs(logprobs, self._offsets.get(index, 0))
+            if logprobs:
+                self._offsets[index] = self._offsets.get(index, 0) + sum(len(e.token) for e in logprobs)
+            choice = {"index": index, "text": delta, "logprobs": shown, "finish_reason": reason}
         return {**self.head, "choices": [choice]}
 
 

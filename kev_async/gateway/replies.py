@@ -42,13 +42,17 @@ FETCH_MAX_WAIT_MS = 20
 
 class Pending:
     """One question's replies as they arrive. Every request waits on `answered`; a streamed one also reads
-    `events()`: one attempt's deltas (in seq order, duplicates dropped), then the first answer."""
+    `events()`: one attempt's deltas (per sample in seq order, duplicates dropped), then the answers. A question
+    with params.n `samples` is answered once each sample's answer came (`answers`, by index; `answer` is
+    sample 0's), or at its first error answer (a question refused is refused whole)."""
 
-    def __init__(self, question_id: str, *, streamed: bool = False) -> None:
+    def __init__(self, question_id: str, *, streamed: bool = False, samples: int = 1) -> None:
         self.question_id = question_id
+        self.samples = samples
         self.answer: AnswerEvent | None = None
+        self.answers: dict[int, AnswerEvent] = {}  # index -> the first answer of that sample
         self.answered: asyncio.Future[AnswerEvent] = asyncio.get_running_loop().create_future()
-        self._next_seq = 0
+        self._next_seq: dict[int, int] = {}  # sample -> the seq of its next delta to relay
         self._attempt: str | None = None  # the attempt whose deltas are relayed: the first seen at seq 0
         # Only a stream needs a buffer of events: a whole answer waits on the future alone, which is cheaper.
         self._send: MemoryObjectSendStream[AnswerEvent | AnswerDelta] | None = None
@@ -62,23 +66,37 @@ class Pending:
         if isinstance(event, AnswerDelta):
             if self._attempt is None and event.seq == 0:
                 self._attempt = event.attempt
-            if event.attempt != self._attempt or event.seq != self._next_seq:
+            if event.attempt != self._attempt or event.seq != self._next_seq.get(event.index, 0):
                 return
-            self._next_seq += 1
+            self._next_seq[event.index] = event.seq + 1
         else:
-            self.answer = event
-            self.answered.set_result(event)
+            if event.index in self.answers or not 0 <= event.index < self.samples:
+                return  # a sample answered twice (a redelivery), or no sample of this question
+            self.answers[event.index] = event
+            if len(self.answers) == self.samples or event.finish_reason == "error":
+                self.answer = self.answers.get(0, event)
+                self.answered.set_result(self.answer)
         if self._send is not None:
             self._send.send_nowait(event)
+
+    def ordered(self) -> list[AnswerEvent]:
+        """The answers, by index."""
+        return [self.answers[i] for i in sorted(self.answers)]
 
     async def events(self) -> AsyncIterator[AnswerEvent | AnswerDelta]:
         """Every reply until (and with) the answer; only for a Pending made with streamed=True."""
         if self._receive is None:
             raise RuntimeError(f"{self.question_id} is not streamed")
+        answers = 0
         async for event in self._receive:
             yield event
-            if isinstance(event, AnswerEvent):
+            answers += isinstance(event, AnswerEvent)
+            if self.relayed_all(answers):
                 return
+
+    def relayed_all(self, answers: int) -> bool:
+        """Whether `answers` answers relayed are all this question has (its samples', or up to its error)."""
+        return self.answer is not None and answers == len(self.answers)
 
     def close(self) -> None:
         self.answered.cancel()  # no-op once answered; else nobody is left to retrieve it
@@ -99,9 +117,9 @@ class ReplyRouter:
         return len(self._pending)
 
     @contextmanager
-    def expect(self, question_id: str, *, streamed: bool = False):
+    def expect(self, question_id: str, *, streamed: bool = False, samples: int = 1):
         """Register before publishing (an answer can come back before `publish` returns)."""
-        pending = self._pending[question_id] = Pending(question_id, streamed=streamed)
+        pending = self._pending[question_id] = Pending(question_id, streamed=streamed, samples=samples)
         try:
             yield pending
         finally:

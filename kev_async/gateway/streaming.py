@@ -61,7 +61,8 @@ class AnswerStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, question_id = self.gateway, self.question.question_id
-        with gateway.replies.expect(question_id, streamed=True) as pending, gateway.metrics.waiting():
+        with gateway.replies.expect(question_id, streamed=True, samples=self.question.params.n) as pending, \
+                gateway.metrics.waiting():
             try:
                 await gateway.publish(self.question, self.arrived_ms)
             except ApiError as error:
@@ -87,44 +88,55 @@ class AnswerStream:
                          why=why, cancelled=not answered)
 
     async def _relay(self, pending: Pending, send: Send) -> bool:
-        """Send the stream; True once the answer arrived (a deadline passing first is reported in-stream)."""
+        """Send the stream; True once the answers arrived (a deadline passing first is reported in-stream)."""
         headers = [*SSE_HEADERS, (b"x-request-id", self.question.question_id.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if (first := self.chunks.first()) is not None:
-            await self._send(send, sse(first))
-        sent: list[str] = []
+        for index in range(self.question.params.n):
+            if (first := self.chunks.first(index)) is not None:
+                await self._send(send, sse(first))
+        sent: dict[int, list[str]] = {}  # sample -> its text sent
+        answers = 0
         with anyio.move_on_after(self.wait_s):
             async for event in pending.events():
                 if isinstance(event, AnswerDelta):
-                    if event.text:
+                    if event.text or event.logprobs:  # an end token has a logprob and no text
                         if not sent:
                             self.gateway.metrics.first_byte.observe(time.perf_counter() - self.started)
-                        sent.append(event.text)
-                        await self._send(send, sse(self.chunks.text(event.text)))
+                        sent.setdefault(event.index, []).append(event.text)
+                        await self._send(send, sse(self.chunks.text(event.text, event.index, event.logprobs)))
                     continue
-                await self._finish(send, event, "".join(sent))
-                return True
+                if not await self._finish_sample(send, event, "".join(sent.get(event.index, ()))):
+                    return True  # ended with an error event
+                answers += 1
+                if pending.relayed_all(answers):
+                    await self._finish(send, pending.ordered())
+                    return True
         timeout = ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
         await self._send(send, sse(timeout.body()) + SSE_DONE, more=False)
         return False
 
-    async def _finish(self, send: Send, answer: AnswerEvent, sent: str) -> None:
+    async def _finish_sample(self, send: Send, answer: AnswerEvent, sent: str) -> bool:
+        """A sample's end: its tail and finish_reason; False when the stream ended with an error event."""
         try:
             raise_for_error(answer)
         except ApiError as error:  # mid-stream, OpenAI sends the error object as an event
             await self._send(send, sse(error.body()) + SSE_DONE, more=False)
-            return
+            return False
         if not answer.text.startswith(sent):
             await self._send(send, sse(self._restarted(answer, sent).body()) + SSE_DONE, more=False)
-            return
+            return False
         tail = answer.text[len(sent):]  # normally empty: the last delta carries the tail
-        out = sse(self.chunks.text(tail)) if tail else b""
-        out += sse(self.chunks.last(answer))
+        await self._send(send, (sse(self.chunks.text(tail, answer.index)) if tail else b"") +
+                         sse(self.chunks.last(answer)))
+        return True
+
+    async def _finish(self, send: Send, answers: list[AnswerEvent]) -> None:
+        out = b""
         if self.include_usage:
-            out += sse(self.chunks.usage(answer, show_cached=not self.caller.anonymous))
+            out += sse(self.chunks.usage(answers, show_cached=not self.caller.anonymous))
         if self.caller.audit:
             # An SSE comment: clients skip it, so Kev's audit rides along without touching the chunk schema.
-            out += b": x-kev-audit " + audit_json(answer).encode() + b"\n\n"
+            out += b": x-kev-audit " + audit_json(answers[0]).encode() + b"\n\n"
         await self._send(send, out + SSE_DONE, more=False)
 
     def _restarted(self, answer: AnswerEvent, sent: str) -> ApiError:
