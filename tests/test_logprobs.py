@@ -81,12 +81,26 @@ def test_processed_logprobs_are_of_the_distribution_drawn_from(tiny_models, harn
 
 def test_logprobs_without_top_and_with_a_stop_string_stay_aligned(tiny_models, harness):
     tiny = tiny_models["llama"]
-    plain = harness.run_core(tiny.kev, [question(harness, temperature=0.0)]).answers["asker"]
-    stop = plain.text[len(plain.text) // 2:][:2]
-    asker = question(harness, logprobs=True, temperature=0.0, stop=[stop]) if stop.strip() else None
-    if asker is None:
-        asker = question(harness, logprobs=True, temperature=0.0)
-    answer = harness.run_core(tiny.kev, [asker]).answers["asker"]
-    assert len(answer.logprobs) == len(answer.token_ids)
-    assert all(entry.top == () for entry in answer.logprobs)
-    assert "".join(entry.token for entry in answer.logprobs).startswith(answer.text[:1])
+    plain = harness.run_core(tiny.kev, [question(harness, temperature=0.0, logprobs=True)]).answers["asker"]
+    assert all(entry.top == () for entry in plain.logprobs)
+    middle = len(plain.text) // 2
+    stop = plain.text[middle:middle + 3]
+    cut = harness.run_core(tiny.kev, [question(harness, temperature=0.0, logprobs=True, stop=[stop])]).answers["asker"]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(plain.token_ids)
+    assert len(cut.logprobs) == len(cut.token_ids) and cut.logprobs == plain.logprobs[:len(cut.token_ids)]
+
+
+def test_logprobs_of_accepted_drafts_are_their_rows(tiny_models, harness):
+    """Speculative decoding emits several tokens a step; each gets the logprobs of the row that drew it."""
+    tiny = tiny_models["llama"]
+    repeating = [7, 8, 9, 10] * 6  # a prompt the n-gram drafter copies from
+    asker = harness.Q("asker", repeating, dict(max_new_tokens=NEW_TOKENS, temperature=0.0, logprobs=True,
+                                               top_logprobs=2))
+    plain = harness.run_core(tiny.kev, [asker]).answers["asker"]
+    drafted = harness.run_core(tiny.kev, [asker], harness.tiny_options(speculative="ngram",
+                                                                       speculative_policy="always"))
+    answer = drafted.answers["asker"]
+    assert answer.audit.accepted_draft_tokens > 0 and answer.token_ids == plain.token_ids
+    assert [(e.id, [t.id for t in e.top]) for e in answer.logprobs] == \
+        [(e.id, [t.id for t in e.top]) for e in plain.logprobs]
+    assert [e.logprob for e in answer.logprobs] == pytest.approx([e.logprob for e in plain.logprobs], abs=TOLERANCE)

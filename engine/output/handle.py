@@ -46,17 +46,6 @@ class Handle:
         await self.wait(timeout)
         return sorted(self.answers, key=lambda answer: answer.index)
 
-    async def each_answer(self) -> AsyncIterator[AnswerEvent]:
-        """Each sample's answer as it ends."""
-        sent = 0
-        while True:
-            while sent < len(self.answers):
-                sent += 1
-                yield self.answers[sent - 1]
-            if self.answer is not None:
-                return
-            await self._changed.wait()
-
     async def stream(self) -> AsyncIterator[AnswerDelta]:
         """Every delta, from the first, as it comes; the last has done=True."""
         sent = 0
