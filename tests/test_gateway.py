@@ -96,6 +96,13 @@ def test_chat_completion_has_usage_and_kev_audit_header(client, stack):
     assert raw.headers["x-request-id"] == completion.id
 
 
+def test_a_body_without_model_is_answered_by_the_served_model(stack):
+    """As vLLM and llama.cpp's server take it; the response names the model that answered."""
+    response = post(stack, "/v1/chat/completions", {"messages": SEA, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL and response.json()["choices"][0]["message"]["content"]
+
+
 def test_completion(client):
     completion = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=6)
     assert completion.object == "text_completion" and completion.id.startswith("cmpl-")

@@ -132,6 +132,7 @@ CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]'
     (b"null", None), (b'"chat"', None), (b"12", None), (b"{}", None), (b"", None),           # wrong types
     (CHAT + b', "model": 7}', "model"),
     (b'{"model": "tiny", "messages": "hi"}', "messages"),
+    (b'{"model": "tiny"}', "messages"),                                                      # a required one missing
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', None),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": 5}]}', "messages[0].name"),
     (CHAT + b', "stop": ' + json.dumps(["x"] * 10_000).encode() + b"}", "stop"),

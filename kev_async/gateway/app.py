@@ -226,6 +226,8 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
                   caller: Caller, started: float, arrived_ms: int) -> Response:
     body = await _read_body(request, gateway.cfg.gateway)
     parsed = parse_request(body, kind)
+    if parsed.model is None:
+        parsed = msgspec.structs.replace(parsed, model=gateway.catalog.model)
     adapter = gateway.catalog.resolve(parsed.model)
     chat = kind is ChatRequest
     question_id = new_question_id("chatcmpl" if chat else "cmpl")

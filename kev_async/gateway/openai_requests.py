@@ -39,7 +39,7 @@ class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class _Common(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    model: str
+    model: str | None = None  # None: the served model (as vLLM and llama.cpp's server take it)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -105,6 +105,7 @@ _NEUTRAL = {
 _DECODERS = {ChatRequest: msgspec.json.Decoder(ChatRequest), CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
+_MISSING = re.compile(r"Object missing required field `(?P<name>[^`]+)`")
 # Kev's question fields, named as the OpenAI request names them.
 _PARAM_NAMES = {"params.max_new_tokens": "max_tokens", "params.temperature": "temperature", "params.top_p": "top_p",
                 "params.top_k": "top_k", "params.seed": "seed", "params.repetition_penalty": "repetition_penalty",
@@ -240,6 +241,9 @@ def _invalid_field(message: str) -> ApiError:
         name = f"{path}.{unknown['name']}" if path else unknown["name"]
         return bad_request(f"Unrecognized request argument supplied: {name}", param=name,
                            code="unrecognized_argument")
+    if missing := _MISSING.match(reason):
+        name = f"{path}.{missing['name']}" if path else missing["name"]
+        return bad_request(f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
     return bad_request(f"{path}: {reason}" if path else reason, param=path, code="invalid_type")
 
 
