@@ -114,7 +114,9 @@ class CoreConfig(_Section):
     # auto: fp32 on CPU, bf16 on CUDA. bf16 on a CPU without bf16 instructions: fp32, logged
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     attention: AttentionBackend = "auto"  # engine/kernels/backend.py decides and logs `attention.backend`
-    weights: Literal["full", "int8"] = "full"  # int8: weight-only int8 matmuls, per-output-channel scales
+    # auto: a GGUF whose matrices are all Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K runs them as stored, anything
+    # else full; int8: weight-only int8 matmuls, per-output-channel scales
+    weights: Literal["auto", "full", "int8"] = "auto"
     # CPU weight matmuls: row_linear keeps a row's bits whatever shares its step (isolation at every
     # precision); library is oneDNN/MKL; auto measures both at start and logs `matmul.kernel`
     matmul: Literal["auto", "row_linear", "library"] = "auto"

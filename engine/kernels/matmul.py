@@ -73,6 +73,12 @@ def choose(requested: str, dtype: torch.dtype, device: torch.device, probes: lis
     return _logged(_measured(probes, quantized))
 
 
+def stored_blocks(isa: str) -> MatmulChoice:
+    """A GGUF's matrices kept in their block formats: block_linear (engine/kernels/block_weight.py), whose
+    rows are as batch-invariant as row_linear's; core.matmul does not apply to them."""
+    return _logged(MatmulChoice("row_linear", f"a GGUF's block formats multiply as stored (block_linear, {isa})"))
+
+
 def _why_not_row_linear(dtype: torch.dtype, device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"row_linear is a CPU kernel; the model is on {device.type}"

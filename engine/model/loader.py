@@ -1,7 +1,9 @@
 """Find a model's HF-format directory: a directory as given, a GGUF converted once, or a built-in name.
 
 Nothing is fetched from a hub. GGUF files are converted to safetensors in a cache directory the first
-time (~20 s) and loaded from there afterwards (about a second).
+time (~20 s) and loaded from there afterwards (about a second). A GGUF whose weights Kev runs as stored
+(engine/model/gguf_weights.py) gets a directory of its config and tokenizer only: its weights are read
+from the file itself, never dequantized into a copy.
 """
 
 from __future__ import annotations
@@ -36,20 +38,29 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kev"))
 
 
-def resolve_model_dir(source: str | os.PathLike) -> Path:
-    """Return an HF-format directory (config.json, *.safetensors, tokenizer files) for `source`."""
+def resolve_model_dir(source: str | os.PathLike, weights: bool = True) -> Path:
+    """Return an HF-format directory (config.json, *.safetensors, tokenizer files) for `source`; for a
+    GGUF with `weights=False`, one of its config and tokenizer only (its weights are read from the file)."""
+    gguf = gguf_file(source)
+    if gguf is not None:
+        return _gguf_to_dir(gguf, weights)
     text = str(source)
-    if text in BUILTIN_MODELS:
-        return _gguf_to_dir(_builtin_gguf(text))
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_to_dir(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} has no config.json; expected an HF-format model directory")
         return path
     known = ", ".join(BUILTIN_MODELS)
     raise ModelNotFound(f"model {text!r} is not a directory, a .gguf file, or a built-in name ({known})")
+
+
+def gguf_file(source: str | os.PathLike) -> Path | None:
+    """The GGUF file `source` names (a .gguf path or a built-in name), or None (a directory, or nothing)."""
+    text = str(source)
+    if text in BUILTIN_MODELS:
+        return _builtin_gguf(text)
+    path = Path(text).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _builtin_gguf(name: str) -> Path:
@@ -63,16 +74,16 @@ def _builtin_gguf(name: str) -> Path:
     return path
 
 
-def _gguf_to_dir(gguf: Path) -> Path:
+def _gguf_to_dir(gguf: Path, weights: bool = True) -> Path:
     stat = gguf.stat()
-    target = cache_dir() / f"{gguf.stem}-{stat.st_size}"
+    target = cache_dir() / f"{gguf.stem}-{stat.st_size}{'' if weights else '-config'}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary directory and rename, so a crash never leaves half a model behind.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert(gguf, staging)
+        (_convert if weights else _describe)(gguf, staging)
         os.replace(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # another process may have won the race
@@ -93,8 +104,22 @@ def _convert(gguf: Path, out: Path) -> None:
     tied = model.config.tie_word_embeddings
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)  # the weights are dequantized now
-    config["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _write_config(model.config, type(model).__name__, out)
     tokenizer.save_pretrained(out)
+
+
+def _describe(gguf: Path, out: Path) -> None:
+    """The config and tokenizer of a GGUF, without its weights (no tensor is read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
+    _write_config(config, architecture, out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _write_config(config, architecture: str, out: Path) -> None:
+    values = config.to_dict()
+    values.pop("quantization_config", None)  # Kev reads the weights' formats itself
+    values["architectures"] = [architecture]
+    (out / "config.json").write_text(json.dumps(values, indent=2))

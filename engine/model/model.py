@@ -16,7 +16,8 @@ from engine.kernels.omp_pool import release_thread_pool
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
 from engine.model.key_means import key_means
-from engine.model.loader import resolve_model_dir
+from engine.model.gguf_weights import GgufState, runs_as_stored
+from engine.model.loader import gguf_file, resolve_model_dir
 from engine.model.transformer import Transformer
 
 # What each supported architecture adds to the Llama layer (engine/model/transformer.py reads the spec).
@@ -35,7 +36,9 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent tables (not dynamic or longrope)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHT_FORMATS = ("full", "int8")  # full: stored in the compute dtype; int8: weight-only int8
+# auto: a GGUF's block formats kept as stored where Kev runs them all (engine/model/gguf_weights.py), else
+# full; full: stored in the compute dtype; int8: weight-only int8
+WEIGHT_FORMATS = ("auto", "full", "int8")
 
 
 class UnsupportedModel(ValueError):
@@ -81,7 +84,7 @@ class Model:
     dtype: torch.dtype
     path: Path
     hf_config: object
-    weight_format: str = "full"  # full | int8
+    weight_format: str = "full"  # full | int8 | gguf (a GGUF's block formats, multiplied as stored)
     _key_means: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
@@ -102,7 +105,9 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
 
     `dtype`: auto (None) | fp32 | bf16 | fp16 compute and storage dtype; auto is bf16 on CUDA, fp32
     elsewhere (bf16 on a CPU without bf16 instructions falls back to fp32, logged).
-    `weights`: "full" (default) or "int8" (weight-only int8 matmuls).
+    `weights`: "auto" (default: a GGUF whose matrices are all in block formats Kev multiplies as stored
+    keeps them, engine/kernels/block_weight.py; anything else is "full"), "full" (the compute dtype) or
+    "int8" (weight-only int8 matmuls).
     `matmul`: auto | row_linear | library, the CPU kernel for weight matmuls (engine/kernels/matmul.py):
     row_linear keeps each row's bits whatever shares its step; auto takes it unless the library is
     clearly faster here. Logged as `matmul.kernel`.
@@ -111,19 +116,26 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     """
     from transformers import AutoConfig, AutoTokenizer  # seconds to import: only when a model is loaded
 
-    path = resolve_model_dir(source)
+    weight_format = weights or "auto"
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    device_ = pick_device(device)
+    gguf = gguf_file(source)
+    stored = weight_format == "auto" and gguf is not None and device_.type == "cpu" and runs_as_stored(gguf)
+    path = resolve_model_dir(source, weights=not stored)
     config = AutoConfig.from_pretrained(path)
     spec = spec_from_config(config)
-    device_ = pick_device(device)
     if deterministic:  # its start-up check would multiply CPU probes by CUDA weights: refused before loading
         check_deterministic_device(device_.type)
     dtype_ = compute_dtype(pick_dtype(dtype, device_), device_)
-    weight_format = weights or "full"
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weights {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
-                                            mode=math_mode(deterministic), int8=weight_format == "int8",
-                                            pack_fp32=pack_fp32, matmul_kernel=matmul)
+    weight_format = "gguf" if stored else "full" if weight_format == "auto" else weight_format
+    if stored:
+        matrices = Transformer.from_state_dict(spec, GgufState(gguf, config, dtype_), rope_tables(config, spec),
+                                               device_, dtype_, mode=math_mode(deterministic))
+    else:
+        matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
+                                                mode=math_mode(deterministic), int8=weight_format == "int8",
+                                                pack_fp32=pack_fp32, matmul_kernel=matmul)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
         kernel()

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from engine.deterministic.mode import FAST, MathMode
 from engine.kernels import matmul
-from engine.kernels.block_weight import BlockWeight
 from engine.kernels.attention_form import AttentionForm
+from engine.kernels.block_weight import BlockWeight
 from engine.kernels.layer_stack import LayerStack
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight

@@ -1,0 +1,196 @@
+"""A GGUF file's weights under transformers' names, read one tensor at a time, the block formats kept.
+
+`weights: auto` on a GGUF whose matrices are all in a block format Kev multiplies as stored
+(engine/kernels/block_weight.py FORMATS: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) reads each matrix's
+bytes from the file straight into a BlockWeight: the model holds about the file's size and no
+full-precision copy of it is ever made. Other tensors (norms, biases, an embedding table in another
+format) are dequantized one at a time. Names and row orders are transformers' own: its GGUF name map
+and its tensor processors (Llama's q/k rows are stored permuted by llama.cpp's converter; a row being
+whole blocks, the permutation moves bytes and changes no value).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.kernels import native
+from engine.kernels.block_weight import BY_TYPE, BlockTensor, BlockWeight
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF's order: innermost first ([in, out] for a matrix)
+    ggml_type: int
+    offset: int  # from the file's start
+    n_bytes: int
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.ggml_type).name
+
+
+@dataclass(frozen=True)
+class Header:
+    architecture: str
+    tensors: tuple[TensorInfo, ...]
+
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@functools.lru_cache(maxsize=8)
+def _header(path: Path, size: int, mtime: float) -> Header:
+    """The file's architecture and tensor table, parsed directly: gguf-py's reader turns every metadata
+    value (a tokenizer's 150k strings) into arrays first, 10 s for a 135M model on a busy host."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        if version < 2:
+            raise ValueError(f"{path} is GGUF version {version}; Kev reads 2 and later")
+        at, values = 24, {}
+
+        def read(fmt: str):
+            nonlocal at
+            out = struct.unpack_from("<" + fmt, data, at)[0]
+            at += struct.calcsize("<" + fmt)
+            return out
+
+        def string() -> str:
+            nonlocal at
+            length = read("Q")
+            at += length
+            return bytes(data[at - length:at]).decode("utf-8", "replace")
+
+        def value(kind: int):
+            nonlocal at
+            if kind == _STRING:
+                return string()
+            if kind == _ARRAY:
+                item, count = read("I"), read("Q")
+                if item in _SCALAR:  # skipped: Kev reads no array here
+                    at += count * struct.calcsize("<" + _SCALAR[item])
+                else:
+                    for _ in range(count):
+                        value(item)
+                return None
+            return read(_SCALAR[kind])
+
+        for _ in range(n_kv):
+            key = string()
+            values[key] = value(read("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = tuple(read("Q") for _ in range(read("I")))
+            ggml_type, offset = read("I"), read("Q")
+            block, size_ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            infos.append((name, dims, ggml_type, offset, math.prod(dims) // block * size_))
+        align = values.get("general.alignment", 32)
+        start = -(-at // align) * align
+    tensors = tuple(TensorInfo(name, dims, kind, start + offset, n_bytes) for name, dims, kind, offset, n_bytes in infos)
+    return Header(values.get("general.architecture", ""), tensors)
+
+
+def read_header(path: Path) -> Header:
+    stat = Path(path).stat()
+    return _header(Path(path), stat.st_size, stat.st_mtime)
+
+
+def _matrices(header: Header) -> list[TensorInfo]:
+    """The tensors a forward multiplies by: the layers' 2-D weights and the output head (the embedding
+    table where the file ties it to the head)."""
+    names = {t.name for t in header.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    return [t for t in header.tensors if len(t.dims) == 2 and (t.name.startswith("blk.") or t.name == head)]
+
+
+def unstored_matrices(path: Path) -> dict[str, str]:
+    """Matrices of this GGUF whose format Kev does not multiply as stored: name -> format (empty: all run as stored)."""
+    return {t.name: t.type_name for t in _matrices(read_header(path)) if t.ggml_type not in BY_TYPE}
+
+
+def runs_as_stored(path: Path) -> bool:
+    """Whether `weights: auto` keeps this GGUF's blocks: every matrix in FORMATS, and the kernels built here."""
+    return not unstored_matrices(path) and native.module() is not None
+
+
+class GgufState(Mapping):
+    """transformers' name -> the weight, read from the file when asked: a BlockWeight (compute dtype
+    `dtype`) for a block-format matrix, else a float32 tensor. Each tensor is read once, when first asked."""
+
+    def __init__(self, path: Path, hf_config, dtype: torch.dtype):
+        self.path, self.dtype = Path(path), dtype
+        header = read_header(self.path)
+        self._processor = _processor(header.architecture, hf_config)
+        to_hf = _name_map(hf_config, self._processor)
+        self._tensors = {to_hf[t.name]: t for t in header.tensors if t.name in to_hf}
+
+    def __getitem__(self, name: str):
+        info = self._tensors[name]
+        if info.ggml_type in BY_TYPE:
+            return BlockWeight([self._blocks(info)], self.dtype)
+        return self._dense(info)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def _bytes(self, info) -> np.ndarray:
+        """The tensor's bytes read from the file (not mapped: mapped pages would stay in the process)."""
+        out = np.empty(info.n_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as file:
+            file.seek(info.offset)
+            if file.readinto(memoryview(out)) != out.size:
+                raise ValueError(f"{self.path} ends inside tensor {info.name}")
+        return out
+
+    def _blocks(self, info) -> BlockTensor:
+        fmt = BY_TYPE[info.ggml_type]
+        k, rows = info.dims
+        blocks = BlockTensor(fmt, torch.from_numpy(self._bytes(info).reshape(rows, -1)), k)
+        order = self._processor.process(weights=np.arange(rows, dtype=np.float64).reshape(rows, 1), name=info.name).weights
+        order = np.asarray(order).reshape(-1)
+        return blocks if np.array_equal(order, np.arange(rows)) else blocks.take_rows(order.astype(np.int64))
+
+    def _dense(self, info) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, dequantize
+
+        shape = list(reversed(info.dims))
+        rows = math.prod(shape[:-1])
+        values = dequantize(self._bytes(info).reshape(rows, -1), GGMLQuantizationType(info.ggml_type)).reshape(shape)
+        values = self._processor.process(weights=values, name=info.name).weights
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _processor(architecture: str, hf_config):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+
+
+def _name_map(hf_config, processor) -> dict[str, str]:
+    """GGUF name -> transformers' name, from transformers' own map over the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return get_gguf_hf_weights_map(model, processor)

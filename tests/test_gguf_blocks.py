@@ -1,0 +1,112 @@
+"""`weights: auto` on a GGUF in block formats: the matrices kept as stored and multiplied by block_linear.
+
+A small random Llama (256 wide, so the K-quants fit) written as llama.cpp's converter writes it, its
+matrices in six block formats at once (q/k/v fused from three), SmolLM2's tokenizer. Checked against
+transformers on the same file (which dequantizes it), and solo == packed through the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import load_model
+from engine.kernels.block_weight import BlockWeight
+from engine.model.gguf_weights import unstored_matrices
+from engine.model.loader import gguf_file, resolve_model_dir
+from gguf_writer import quantize, write_llama_gguf
+from schemas import DEFAULT_MODEL
+
+FORMATS = {"attn_q": "Q5_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q5_K",
+           "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q8_0"}
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             vocab_size=49152, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory, harness):
+    hf = harness.build_hf_tiny("llama", seed=7, **SHAPE)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-blocks.gguf"
+    return write_llama_gguf(hf, path, FORMATS, gguf_file(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="module")
+def stored(gguf):
+    return load_model(str(gguf), device="cpu", dtype="fp32")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_test_quantizers_round_trip(name):
+    """The writer's own K-quant packers: gguf-py reads back the values they meant."""
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    back = quants.dequantize(quantize(x, name), GGMLQuantizationType[name])
+    assert np.abs(back - x).max() < {"Q4_K": 0.5, "Q5_K": 0.25, "Q6_K": 0.12}[name] * np.abs(x).max() / 4
+
+
+def test_auto_keeps_the_file_blocks(gguf, stored):
+    assert stored.weight_format == "gguf" and not unstored_matrices(gguf)
+    layer = stored.weights.layers[0]
+    assert layer.qkv.formats == ("Q5_0", "Q4_0", "Q8_0") and layer.down.formats == ("Q6_K",)
+    assert isinstance(stored.weights.lm_head, BlockWeight) and isinstance(stored.weights.embed, BlockWeight)
+    assert stored.weights.stack is not None  # the whole layer stack in one C++ call, as for fp32 weights
+    matrices = sum(m.nbytes for m in stored.weights.matrices()) + stored.weights.embed.nbytes
+    assert matrices < 0.3 * sum(m.shape.numel() * 4 for m in stored.weights.matrices() + [stored.weights.embed])
+    assert not any(p.name.endswith(".safetensors") for p in resolve_model_dir(str(gguf), weights=False).iterdir())
+
+
+def test_logits_agree_with_transformers_on_the_same_file(gguf, stored):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 504, 3529, 314, 2761, 282, 4649, 47, 216, 506, 3529, 314]])
+    with torch.no_grad():
+        expected = hf(ids).logits[0]
+    full = load_model(str(gguf), device="cpu", dtype="fp32", weights="full")
+    assert (model_logits(full, ids[0]) - expected).abs().max().item() < 1e-4
+    got = model_logits(stored, ids[0])  # each matmul's rows rounded to int8 codes: 2% here (random weights)
+    relative = ((got - expected).norm() / expected.norm()).item()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert relative < 0.04 and agree >= 0.8, (relative, agree)
+
+
+def model_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits from Kev's forward of one sequence (torch attention over its own keys)."""
+    import torch.nn.functional as F
+
+    spec = model.spec
+
+    def attend(_layer, q, k, v):  # causal attention of one question's rows
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        k = k.repeat_interleave(spec.num_heads // spec.num_kv_heads, 0)
+        v = v.repeat_interleave(spec.num_heads // spec.num_kv_heads, 0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+
+    with torch.no_grad():
+        hidden = model.weights.forward(ids, torch.arange(len(ids)), attend)
+        return model.weights.logits(hidden)
+
+
+def test_greedy_answers_solo_equal_packed(stored, harness):
+    victim = harness.Q("victim", [1, 504, 3529, 314, 2761, 282], {"max_new_tokens": 12, "temperature": 0.0})
+    rng = np.random.default_rng(3)
+    others = [harness.Q(f"n{i}", rng.integers(2, 49152, size=int(rng.integers(3, 40))).tolist(),
+                        {"max_new_tokens": int(rng.integers(4, 16)), "temperature": 0.0}) for i in range(6)]
+    solo = harness.run_core(stored, [victim])
+    packed = harness.run_core(stored, others[:3] + [victim] + others[3:])
+    assert max(len(plan) for plan in packed.plans) > 1
+    assert packed.tokens("victim") == solo.tokens("victim")
+    assert all(torch.equal(a, b) for a, b in zip(packed.logits["victim"], solo.logits["victim"]))
+
+
+def test_full_and_int8_still_load_the_file(gguf):
+    for weights in ("full", "int8"):
+        model = load_model(str(gguf), device="cpu", dtype="fp32", weights=weights)
+        assert model.weight_format == weights
+        assert not isinstance(model.weights.layers[0].qkv, BlockWeight)
+
+
+def test_a_file_with_other_formats_runs_full(harness):
+    """The built-in SmolLM2 file is Q4_1, not a format Kev runs as stored: auto loads it in full."""
+    assert set(unstored_matrices(gguf_file(DEFAULT_MODEL)).values()) == {"Q4_1"}
