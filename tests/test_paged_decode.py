@@ -14,6 +14,7 @@ import torch
 
 from engine.kernels import paged_decode
 from engine.kernels.attention import Segment, TorchAttention, _DecodeGroups
+from engine.kernels.attention_form import AttentionForm
 from engine.kv.cache import KVCache
 
 pytestmark = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler for the CPU decode kernel")
@@ -133,3 +134,56 @@ def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(cache):
     for row, seg in enumerate(segments[:6]):
         alone = attend(portable, [Segment(0, 1, seg.kv_len, seg.block_ids, True)], q[row:row + 1])
         assert torch.equal(alone[0], packed[row])
+
+
+FORMS = {"window": AttentionForm(0.1, window=20), "softcap": AttentionForm(0.2, softcap=1.5),
+         "window-softcap": AttentionForm(64 ** -0.5, window=33, softcap=3.0)}
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_layer_s_window_scale_and_soft_cap_give_the_reference_s_answer(cache, form, many):
+    """Mistral's and Gemma's layers: the padded decode groups (masks and scores written out) as reference;
+    each row alone gives the same bits."""
+    lengths = [1, 7, 20, 21, 40, 130, 300]
+    kv, segments, q = _setup(cache, _many(lengths) if many else lengths)
+    layer = kv.layers[0]
+    layer.form = FORMS[form]
+    tolerance = CACHES[cache][2]
+    paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    reference = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    torch.testing.assert_close(paged.float(), reference.float(), atol=tolerance, rtol=tolerance)
+    for row, seg in enumerate(segments[: len(lengths)]):
+        alone = paged_decode.PagedDecodes([Segment(0, 1, seg.kv_len, seg.block_ids, True)], BLOCK,
+                                          torch.device("cpu")).attend(q[row:row + 1], layer)
+        assert torch.equal(alone[0], paged[row])
+
+
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_blocks_before_a_window_are_never_read(cache):
+    """A row at position 299 with a window of 20 reads only the blocks of positions 280..299: every
+    earlier slot (and its int8 scale) is NaN here and changes no bit."""
+    kv, segments, q = _setup(cache, [300, 45])
+    layer = kv.layers[0]
+    layer.form = AttentionForm(64 ** -0.5, window=20)
+    before = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    for seg in segments:
+        first_block = (seg.kv_len - 20) // BLOCK
+        for block in seg.block_ids[:first_block]:
+            for rows in (kv.k_scale, kv.v_scale, kv.k, kv.v) if kv.quantized else (kv.k, kv.v):
+                rows[0][block * BLOCK:(block + 1) * BLOCK] = float("nan") if rows.is_floating_point() else 0
+    after = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+def test_head_size_256_gives_sdpa_s_answer(cache):
+    """Gemma's heads (256 wide; Gemma 3 270M: 4 query heads over 1 KV head)."""
+    spec = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=256, num_heads=4)
+    kv, segments, q = _setup(cache, [1, 16, 17, 130, 45], spec=spec)
+    layer = kv.layers[0]
+    paged = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    sdpa = _DecodeGroups(segments, BLOCK, torch.device("cpu")).attend(q, layer)
+    tolerance = CACHES[cache][2]
+    torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)

@@ -63,16 +63,17 @@ inline float exp_clamped(float x) {
   return p * two_n;
 }
 
-// Calls fn(t0, rows, count, next) for each block of one question's positions t0 .. t0 + count - 1, `rows`
+// Calls fn(t0, rows, count, next) for each block of one question's positions t0 .. t0 + count - 1 from the
+// block holding position `from` on (0 but under a sliding window), `rows`
 // pointing at position t0's vector for KV head h0 in `cache` ([slots, kv_heads, D]); the block's rows
 // follow at `stride`. `next` points the same way into the question's next block, and after the last
 // one at `then` (what the task reads next, or nullptr): its rows are fetched while this block's are
 // used, a row's lines for each row used (blocks lie anywhere in the pool, so the hardware's own
 // prefetcher cannot run ahead across them).
 template <typename T, typename Fn>
-static inline void each_block(const T* cache, int64_t offset, const int64_t* blocks, int64_t len,
+static inline void each_block(const T* cache, int64_t offset, const int64_t* blocks, int64_t from, int64_t len,
                               int64_t block_size, int64_t stride, const T* then, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+  for (int64_t t0 = from / block_size * block_size; t0 < len; t0 += block_size) {
     const int64_t b = t0 / block_size;
     const T* next = t0 + block_size < len ? cache + blocks[b + 1] * block_size * stride + offset : then;
     fn(t0, cache + blocks[b] * block_size * stride + offset, std::min(block_size, len - t0), next);
@@ -316,9 +317,9 @@ static inline void score_keys(const float* query, const T* rows, const T* next, 
 }
 
 // Multiplies each of a KV head's G rows of per-position weights by that position's int8 scale, in place.
-static inline void apply_scales(float* rows, const at::Half* scales, const int64_t* blocks, int64_t len,
+static inline void apply_scales(float* rows, const at::Half* scales, const int64_t* blocks, int64_t first, int64_t len,
                                 int64_t block_size, int64_t kv_heads, int64_t head, int G) {
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < len; ++t) {
     const float s = static_cast<float>(scales[(blocks[t / block_size] * block_size + t % block_size) * kv_heads + head]);
     for (int g = 0; g < G; ++g) rows[g * len + t] *= s;
   }
@@ -335,8 +336,9 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
                         int64_t kv_heads, int64_t block_size, float scale, int64_t window, float softcap,
                         std::vector<float>& buffer) {
   const int64_t n = (h1 - h0) * G;  // query heads in this task
-  // A sliding window (window > 0) hides the keys before `first`: they are scored with the rest, then
-  // weigh exactly zero, so the sums over values run as without a window.
+  // A sliding window (window > 0) hides the keys before `first`: blocks wholly before it are never read,
+  // and the keys of `first`'s block before it weigh exactly zero (fma adds nothing), so a row's sums are
+  // the ones a plain row over keys `first`.. would give, whatever its position in its block.
   const int64_t first = window > 0 && len > window ? len - window : 0;
   buffer.resize(n * (len + 2 * D + 1));
   float* query = buffer.data();      // [n, D]
@@ -349,7 +351,8 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
   // Block by block (16 positions of every KV head lie together, read once from memory, then from L1 for
   // each head), 16 keys at a time for a KV head's G query heads.
   // The keys, then the values: the first value block is fetched during the last key block.
-  each_block(k, h0 * D, blocks, len, block_size, stride, v + blocks[0] * block_size * stride + h0 * D,
+  each_block(k, h0 * D, blocks, first, len, block_size, stride,
+             v + blocks[first / block_size] * block_size * stride + h0 * D,
              [&](int64_t t0, const C* rows, int64_t count, const C* next) {
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t j = 0; j < count; j += 16) {
@@ -367,7 +370,7 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
   });
   if (k_scales != nullptr)  // q . (s k) = s (q . k): one multiply per key, not D
     for (int64_t h = 0; h < h1 - h0; ++h)
-      apply_scales(scores + h * G * len, k_scales, blocks, len, block_size, kv_heads, h0 + h, G);
+      apply_scales(scores + h * G * len, k_scales, blocks, first, len, block_size, kv_heads, h0 + h, G);
   for (int64_t i = 0; i < n; ++i) {
     float* row = scores + i * len;
     if (softcap > 0.f)  // Gemma 2: scores squashed into (-softcap, softcap) before the softmax
@@ -380,10 +383,10 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
   }
   if (v_scales != nullptr)  // the weights, not yet normalised, carry each value's scale
     for (int64_t h = 0; h < h1 - h0; ++h)
-      apply_scales(scores + h * G * len, v_scales, blocks, len, block_size, kv_heads, h0 + h, G);
+      apply_scales(scores + h * G * len, v_scales, blocks, first, len, block_size, kv_heads, h0 + h, G);
   std::fill(acc, acc + n * D, 0.f);
   // A KV head's G x D sums stay in registers over a block; each still adds positions in order.
-  each_block(v, h0 * D, blocks, len, block_size, stride, static_cast<const C*>(nullptr),
+  each_block(v, h0 * D, blocks, first, len, block_size, stride, static_cast<const C*>(nullptr),
              [&](int64_t t0, const C* rows, int64_t count, const C* next) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       float* a = acc + h * G * D;
