@@ -10,25 +10,24 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 
 import structlog
 
 from engine.adapters.files import LoraAdapter
 from engine.adapters.pool import LoraPool
-from engine.audit import DraftEndings, forward_summary, per_question, violations
+from engine.assembly import block_size_for, pick_attention, scheduler_limits
+from engine.constrain import Constraints
 from engine.defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
-from engine.constrain import Constraints
+from engine.forward_audit import ForwardAudit
 from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt, unknown_fields
-from engine.kernels.backend import FLASH, BackendChoice, choose_attention, log_choice, tf32_matmul
-from engine.kernels.flash import FlashAttention, flash_installed
-from engine.kernels.rowwise import RowwiseAttention
+from engine.kernels.backend import FLASH
+from engine.kernels.flash import FlashAttention
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.kv.prefix_cache import chain_hashes, prefix_salt
-from engine.model.runner import ModelRunner
 from engine.model.logprobs import attach_logprobs
+from engine.model.runner import ModelRunner
 from engine.normalization import normalized
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
@@ -36,10 +35,10 @@ from engine.routing_embedding import EmbeddingHash
 from engine.samples import check_samples, private_salt, sample_ids, sample_params
 from engine.schedule.deadlines import deadline, expired_message
 from engine.schedule.routing import Router
-from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler, SchedulerLimits
-from engine.schedule.tenants import Tenants
+from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler
 from engine.sequence import Sequence, Status
 from engine.speculate.setup import build_speculation
+from engine.step_hook import StepHook
 from engine.system_prefix import SystemPrefix
 from schemas import AnswerEvent, QuestionEvent
 from schemas.principal import ANONYMOUS, Principal
@@ -55,10 +54,10 @@ class EngineCore:
         self.model = model
         self.options = options
         kv_dtype = cache_dtype(options.kv_dtype, model.dtype)
-        self.attention_choice = _choose_attention(model, options, attention)
+        self.attention_choice = pick_attention(model, options, attention)
         if attention is None and self.attention_choice.backend == FLASH:
             attention = FlashAttention
-        self.block_size = _block_size(options, attention)
+        self.block_size = block_size_for(options, attention)
         num_blocks = plan_num_blocks(model.spec, kv_dtype, model.device, self.block_size,
                                      num_blocks=options.num_blocks, budget_bytes=options.kv_budget_bytes,
                                      memory_fraction=options.memory_fraction)
@@ -70,7 +69,7 @@ class EngineCore:
         weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)
-        self.scheduler = Scheduler(self.pool, _limits(options, model.spec.max_position, self.runner.attention),
+        self.scheduler = Scheduler(self.pool, scheduler_limits(options, model.spec.max_position, self.runner.attention),
                                    speculation=build_speculation(options, model, weights, self.runner, self.pool),
                                    adapter_slot=self._adapter_slot)
         self.defaults = DefaultsRegistry(options.defaults)
@@ -86,9 +85,9 @@ class EngineCore:
                                        options.grammar_cache_size)
         self.num_forwards = 0
         self.num_generated = 0
-        self.draft_endings = DraftEndings()  # audit on: how a question's last draft fared, once it ends
-        # Called with the batch size (questions in the pass) after each forward, on the device thread.
-        self.step_observer: Callable[[int], None] | None = None
+        # Watchers of each step, on the device thread (engine/step_hook.py): the audit, the metrics, benchmarks.
+        self.hooks: list[StepHook] = [ForwardAudit(self.scheduler, self.block_size, options.debug)] \
+            if options.audit else []
 
     # -- intake --------------------------------------------------------------------------------
     def add(self, question: QuestionEvent, prompt_ids: list[int] | None = None,
@@ -283,11 +282,9 @@ class EngineCore:
             started = time.perf_counter()
             out = self.runner.execute(plan, self.constraints.row_masks)
             seconds = time.perf_counter() - started  # the scheduler sizes prompt chunks by what steps cost
-            if self.step_observer is not None:
-                self.step_observer(len(plan.chunks))
             self.num_forwards += 1
-            if self.options.audit:
-                self._audit(out.owners, out.segments)
+            for hook in self.hooks:
+                hook.forward(self.num_forwards, plan, out)
             new_tokens = self.scheduler.update(plan, out.sampled, seconds)
             if out.logprobs is not None:
                 attach_logprobs(plan.sample_row_chunks, out.logprobs, new_tokens)
@@ -295,8 +292,8 @@ class EngineCore:
                 self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)
         finished = self.scheduler.take_finished()
-        if self.options.audit:
-            self._audit_endings(finished)
+        for hook in self.hooks:
+            hook.ended(finished)
         events.answers = [self._answer(seq) for seq in finished]
         return events
 
@@ -311,72 +308,6 @@ class EngineCore:
         self.loras.release(seq.lora)
         self._awaiting_adapter.pop(seq.question_id, None)  # ended (a timeout, a cancel) before it got its adapter
         return self.output.answer(seq)
-
-    def _audit(self, owners, segments) -> None:
-        """Log what this forward packed (`forward.mask`), or what broke isolation if anything did."""
-        chunks, segments, drafts = per_question(owners, segments)
-        record = forward_summary(self.num_forwards, [c.seq.question_id for c in chunks], segments,
-                                 self.block_size, routing=self.options.debug,
-                                 prefixes=[self.scheduler.shared_prefix(c.seq) for c in chunks], drafts=drafts)
-        problems = violations(record)
-        if problems:
-            log.error("forward.isolation_violation", problems=problems, **record)
-        else:
-            log.info("forward.mask", **record)  # audit is on only when asked for: show it at the default level
-        self.draft_endings.drafted(self.num_forwards, chunks)
-
-    def _audit_endings(self, finished: list[Sequence]) -> None:
-        """How the last draft of each question that just ended fared (no later `forward.mask` will say), and,
-        with speculative decoding on, `engine.drained` once none is left: every draft so far is settled."""
-        for seq in finished:
-            record = self.draft_endings.ended(seq)
-            if record:
-                log.info("question.verified", **record)
-        if finished and not self.has_work and self.scheduler.speculation is not None:
-            log.info("engine.drained", forward=self.num_forwards)
-
-
-def _choose_attention(model, options: EngineOptions, given) -> BackendChoice:
-    """The backend choice, logged once; raises BackendRefused before any memory is taken."""
-    choice = choose_attention(device=model.device.type, dtype=model.dtype, kv_dtype=options.kv_dtype,
-                              deterministic=options.deterministic, requested=options.attention,
-                              flash_installed=flash_installed(), tf32=tf32_matmul())
-    if given is not None:  # a test or bench names its backend: only the slow paths of dtype and cache remain
-        kept = tuple(slow for slow in choice.slow_paths if slow.name != "flash_attn_missing")
-        choice = BackendChoice(given.name, "given by the caller", kept)
-    log_choice(choice, model.device, model.dtype, options.kv_dtype, options.deterministic)
-    return choice
-
-
-def _limits(options: EngineOptions, model_positions: int, attention=None) -> SchedulerLimits:
-    """`attention`: the runner's backend; a prompt grid only where prompts attend by calls whose shapes follow
-    the chunk (SDPA, flash-attn), not where every row attends as a decode (RowwiseAttention)."""
-    return SchedulerLimits(
-        max_running=options.max_batch_size,
-        max_tokens_per_step=options.max_tokens_per_step,
-        prompt_chunk_tokens=min(options.prompt_chunk_tokens, options.max_tokens_per_step),
-        max_context=min(options.max_context, model_positions),  # past the rotary table there is no position
-        capacity_tokens=options.kv_slot_capacity,
-        max_waiting=options.max_waiting,
-        batch_window_s=options.batch_window_ms / 1000,
-        policy=options.policy,
-        tenants=Tenants(options.tenants),
-        overflow=options.overflow_policy,
-        length_aware=options.length_aware,
-        early_stop=options.early_stop,
-        split_roles=options.deterministic,
-        # Fixed tiles and row-wise attention read every row's keys alike whatever the chunk: cut anywhere.
-        chunk_grid=0 if options.deterministic or isinstance(attention, RowwiseAttention)
-        else min(options.prompt_chunk_tokens, options.max_tokens_per_step),
-    )
-
-
-def _block_size(options: EngineOptions, attention) -> int:
-    needs = getattr(attention, "block_size_multiple", 1)
-    if options.block_size % needs:
-        log.info("kv.block_size_adjusted", configured=options.block_size, used=needs, backend=attention.name)
-        return needs
-    return options.block_size
 
 
 def _clock_start(arrival: float, published: float | None) -> float:

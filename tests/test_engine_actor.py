@@ -15,6 +15,7 @@ from engine import Engine, EngineOptions
 from engine.model.loader import resolve_model_dir
 from engine.model.model import Model, rope_tables, spec_from_config
 from engine.prompt import encode_prompt
+from engine.step_hook import BatchSizes
 from engine.model.transformer import Transformer
 from kev_async.engine_actor import Cancel, DeviceBusy, Submit, engine_actor, open_engine_client
 from kev_async.runtime.actors import Mailbox
@@ -310,7 +311,7 @@ async def test_a_prompt_being_tokenized_does_not_hold_up_the_decode_steps(model)
     engines.model = _with_tokenizer(model, held)
     device_threads: set[int] = set()
     async with open_engine_client(engines) as client:
-        engines.made[-1].core.step_observer = lambda _size: device_threads.add(threading.get_ident())
+        engines.made[-1].core.hooks.append(BatchSizes(lambda _size: device_threads.add(threading.get_ident())))
         async with anyio.create_task_group() as tg:
             answers = {}
 

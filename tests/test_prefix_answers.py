@@ -154,18 +154,18 @@ def test_logits_are_bitwise_identical_with_the_cache_on_and_off(model, harness, 
 
 def test_every_forward_passes_the_isolation_audit_with_shared_blocks(model, system, harness, monkeypatch,
                                                                     tmp_path):
-    import engine.core
+    import engine.forward_audit
     from engine.audit import violations
     from kev_async.observe.audit import check_log, read_audit_log
 
     records = []
-    summary = engine.core.forward_summary
+    summary = engine.forward_audit.forward_summary
 
     def recording_summary(*args, **kwargs):
         records.append(summary(*args, **kwargs))
         return records[-1]
 
-    monkeypatch.setattr(engine.core, "forward_summary", recording_summary)
+    monkeypatch.setattr(engine.forward_audit, "forward_summary", recording_summary)
     questions = traffic(harness, system, 6, 2, seed=3, tenant="acme")
     harness.run_core(model, questions, options(harness, True, audit=True, num_blocks=80, max_tokens_per_step=256))
     assert records and all(violations(r) == [] for r in records)

@@ -158,8 +158,11 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
 def _decode_steps(core, batch: int, steps: int) -> float:
     """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones); every
     row is past its prefill, so each is one token per row."""
+    from engine.step_hook import BatchSizes  # the engine (torch): not for `kev --help`
+
     sizes: list[int] = []
-    core.step_observer = sizes.append
+    hook = BatchSizes(sizes.append)
+    core.hooks.append(hook)
     times = []
     for i in range(steps + 2):
         sizes.clear()
@@ -168,7 +171,7 @@ def _decode_steps(core, batch: int, steps: int) -> float:
         elapsed = time.perf_counter() - started
         if i >= 2 and sizes == [batch]:
             times.append(elapsed)
-    core.step_observer = None
+    core.hooks.remove(hook)
     if not times:
         raise RuntimeError(f"no decode step ran all {batch} rows")
     return statistics.median(times)

@@ -122,14 +122,16 @@ def _median(samples: list[Sample]) -> Sample:
 
 def _timed(pipe, batch, max_new_tokens: int) -> Sample:
     """`pipe.run`, with each step timed: the steps where every question decodes are the like-for-like ones."""
-    from engine.prompt import as_question
+    from engine.prompt import as_question  # the engine (torch): not for `kev --help`
+    from engine.step_hook import BatchSizes
 
     core = pipe.core
     masks = core.constraints.masks.stats
     before = (core.num_forwards, masks.mask_seconds, masks.wait_seconds, masks.late)
     questions = [as_question(q, i, max_new_tokens=max_new_tokens, temperature=0.0) for i, q in enumerate(batch)]
     sizes, full, answers = [], [], {}
-    core.step_observer = sizes.append
+    hook = BatchSizes(sizes.append)
+    core.hooks.append(hook)
     started = time.perf_counter()
     for question in questions:
         core.add(question)
@@ -140,7 +142,7 @@ def _timed(pipe, batch, max_new_tokens: int) -> Sample:
         if len(sizes) > 1 and sizes[-1] == len(questions):  # past the prefill, nobody has left yet
             full.append(time.perf_counter() - stepped)
     seconds = time.perf_counter() - started
-    core.step_observer = None
+    core.hooks.remove(hook)
     ordered = tuple(answers[q.question_id] for q in questions)
     return Sample(seconds, sum(len(a.token_ids) for a in ordered), core.num_forwards - before[0], full,
                   len(questions), masks.mask_seconds - before[1], masks.wait_seconds - before[2],

@@ -24,6 +24,7 @@ from typing import Any, get_args
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from engine.step_hook import BatchSizes
 from kev_async.observe.live_collector import LiveCollector
 from kev_async.observe.metrics_endpoint import MetricsRoutes, serve_metrics
 from kev_async.runtime.actors import Mailbox
@@ -75,7 +76,7 @@ class Metrics:
     # -- what is read at scrape time -----------------------------------------------------------------
     def watch_engine(self, engine):
         """Read `engine`'s scheduler, KV pool and counters from now on; returns it (for engine factories)."""
-        engine.core.step_observer = self.batch_size.observe
+        engine.core.hooks.append(BatchSizes(self.batch_size.observe))
         self.live.attach_engine(engine)
         return engine
 
