@@ -141,3 +141,25 @@ def test_an_unsupported_rope_type_is_named(harness):
 
     with pytest.raises(UnsupportedModel, match="rope_type 'dynamic'.*default, linear, llama3, yarn"):
         rope_tables(config, spec_from_config(config))
+
+
+def test_a_gguf_of_another_architecture_is_one_line_naming_it(tmp_path, capsys):
+    """Refused before any conversion, from load_model and from the command line."""
+    import gguf
+
+    from engine import load_model
+    from engine.model.loader import GGUF_ARCHITECTURES
+    from kev_async.cli import main
+
+    path = tmp_path / "tiny-rwkv.gguf"
+    writer = gguf.GGUFWriter(str(path), "rwkv6")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match="GGUF architecture 'rwkv6' is not supported") as error:
+        load_model(path, device="cpu")
+    assert all(name in str(error.value) for name in GGUF_ARCHITECTURES)
+    assert main(["model", "prepare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kev model prepare: tiny-rwkv.gguf: GGUF architecture 'rwkv6'") and err.count("\n") == 1

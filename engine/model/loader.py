@@ -27,8 +27,17 @@ BUILTIN_MODELS = {
 }
 
 
+# GGUF architectures Kev reads: transformers' GGUF reader knows them and Kev runs their layers
+# (engine/model/model.py FAMILIES; GLM runs from an HF directory, transformers reads no GLM GGUF).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
 class ModelNotFound(FileNotFoundError):
     pass
+
+
+class UnsupportedModel(ValueError):
+    """A model whose architecture (in its config or its GGUF) Kev does not run."""
 
 
 def cache_dir() -> Path:
@@ -43,6 +52,7 @@ def resolve_model_dir(source: str | os.PathLike, weights: bool = True) -> Path:
     GGUF with `weights=False`, one of its config and tokenizer only (its weights are read from the file)."""
     gguf = gguf_file(source)
     if gguf is not None:
+        check_gguf_architecture(gguf)
         return _gguf_to_dir(gguf, weights)
     text = str(source)
     path = Path(text).expanduser()
@@ -61,6 +71,16 @@ def gguf_file(source: str | os.PathLike) -> Path | None:
         return _builtin_gguf(text)
     path = Path(text).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def check_gguf_architecture(gguf: Path) -> None:
+    """Refuse, in one line naming it, a GGUF of an architecture Kev does not run, before any conversion."""
+    from engine.model.gguf_weights import read_header  # numpy and torch: only when a GGUF is opened
+
+    architecture = read_header(gguf).architecture
+    if architecture not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"{gguf.name}: GGUF architecture {architecture!r} is not supported; Kev runs GGUFs "
+                               f"of {', '.join(GGUF_ARCHITECTURES)}")
 
 
 def _builtin_gguf(name: str) -> Path:

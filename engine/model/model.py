@@ -17,7 +17,7 @@ from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
 from engine.model.key_means import key_means
 from engine.model.gguf_weights import GgufState, runs_as_stored
-from engine.model.loader import gguf_file, resolve_model_dir
+from engine.model.loader import UnsupportedModel, gguf_file, resolve_model_dir
 from engine.model.transformer import Transformer
 
 # What each supported architecture adds to the Llama layer (engine/model/transformer.py reads the spec).
@@ -39,10 +39,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 # auto: a GGUF's block formats kept as stored where Kev runs them all (engine/model/gguf_weights.py), else
 # full; full: stored in the compute dtype; int8: weight-only int8
 WEIGHT_FORMATS = ("auto", "full", "int8")
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -62,5 +62,5 @@ def _user_mistake(error: Exception) -> bool:
         return True
     loader = sys.modules.get("engine.model.loader")  # not imported for `kev --help`: torch is heavy
     backend = sys.modules.get("engine.kernels.backend")  # core.attention / isolation.deterministic refused
-    return ((loader is not None and isinstance(error, loader.ModelNotFound))
+    return ((loader is not None and isinstance(error, (loader.ModelNotFound, loader.UnsupportedModel)))
             or (backend is not None and isinstance(error, backend.BackendRefused)))

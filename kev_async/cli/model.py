@@ -20,11 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from engine.model.loader import ModelNotFound, resolve_model_dir  # torch is heavy: not imported for `kev --help`
+    from engine.model.loader import ModelNotFound, UnsupportedModel, resolve_model_dir  # torch is heavy: not for --help
 
     try:
         print(resolve_model_dir(args.model))
-    except ModelNotFound as exc:
+    except (ModelNotFound, UnsupportedModel) as exc:
         print(f"kev model prepare: {exc}", file=sys.stderr)
         return 2
     return 0
