@@ -463,7 +463,7 @@ def test_while_a_stream_decodes_the_engine_carries_one_prompt_chunk_per_step(tin
 # -- configuration ---------------------------------------------------------------------------------------
 def test_kev_yaml_tenants_reach_the_scheduler_under_one_name(tmp_path):
     from engine import EngineOptions
-    from engine.core import _limits
+    from engine.assembly import scheduler_limits as _limits
     from kev_async.settings import load_config
     from schemas import ConfigError
 

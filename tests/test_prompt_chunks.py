@@ -124,7 +124,7 @@ def test_without_the_grid_a_busy_step_cuts_the_prompt_where_its_budget_ends(tiny
 def test_the_grid_only_where_prompts_attend_by_chunk(tiny_models, harness):
     """Deterministic mode and row-wise attention read every row's keys alike whatever the chunk: no grid;
     SDPA gets it, capped at the step's budget."""
-    from engine.core import _limits
+    from engine.assembly import scheduler_limits as _limits
     from engine.kernels.attention import TorchAttention
     from engine.kernels.rowwise import RowwiseAttention
 
