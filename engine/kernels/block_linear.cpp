@@ -317,6 +317,21 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
   }
 }
 
+// A group's eight block dots (lane j: block j's) into a row's eight lanes: the float steps every path
+// takes, so a row computed alone (row_dot) and inside a chunk (accumulate) gets the same bits.
+template <int64_t F>
+inline __m256 settle(__m256i dots, __m256 scale, __m256 min, const float* xs, const int32_t* xsum,
+                     const float* xscaled, __m256 acc) {
+  constexpr Traits t = traits(F);
+  if constexpr (t.offset != 0) {  // 8 or 16: a shift
+    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum));
+    dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(sums, t.offset == 8 ? 3 : 4));
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_loadu_ps(xs)), acc);
+  if constexpr (t.has_min) acc = _mm256_fnmadd_ps(min, _mm256_loadu_ps(xscaled), acc);
+  return acc;
+}
+
 // acc (8 lanes) += this group's blocks for one row of codes.
 template <int64_t F>
 inline void accumulate(const Group& g, const int8_t* q, const float* xs, const int32_t* xsum,
@@ -334,15 +349,105 @@ inline void accumulate(const Group& g, const int8_t* q, const float* xs, const i
     p[j] = dot_u8s8(u, s);
     if (t.lane_scaled) p[j] = _mm256_mullo_epi32(p[j], _mm256_load_si256(reinterpret_cast<const __m256i*>(g.lane_scale[j])));
   }
-  __m256i dots = sum_each(p);
-  if constexpr (t.offset != 0) {  // 8 or 16: a shift
-    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum));
-    dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(sums, t.offset == 8 ? 3 : 4));
-  }
-  __m256 a = _mm256_loadu_ps(acc);
-  a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_load_ps(g.scale), _mm256_loadu_ps(xs)), a);
-  if (t.has_min) a = _mm256_fnmadd_ps(_mm256_load_ps(g.min), _mm256_loadu_ps(xscaled), a);
+  const __m256 a = settle<F>(sum_each(p), _mm256_load_ps(g.scale), _mm256_load_ps(g.min), xs, xsum, xscaled, _mm256_loadu_ps(acc));
   _mm256_storeu_ps(acc, a);
+}
+
+inline __m256i signed_dot(__m256i w, const int8_t* q) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  return dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(codes, w));
+}
+
+inline __m256i unsigned_dot(__m256i u, const int8_t* q) {
+  return dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+}
+
+inline uint16_t half_bits(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return bits;
+}
+
+// One output of one row: every group decoded straight into registers (a decode step's single row
+// would spend more on storing and reloading a Group than on its dot products). The same integers and
+// float steps as accumulate's.
+template <int64_t F>
+inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const Codes& c, int64_t r) {
+  const __m256i low4 = _mm256_set1_epi8(0xF);
+  __m256 acc = _mm256_setzero_ps();
+  const int8_t* q = c.q + r * c.stride;
+  const int64_t b0 = r * c.blocks;
+  for (int64_t gi = 0; gi < groups; ++gi, q += GROUP) {
+    __m256i p[8];
+    __m256 scale, min = _mm256_setzero_ps();
+    if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
+      const int64_t first = gi * 8;
+      const int count = static_cast<int>(std::min<int64_t>(8, nblocks - first));
+      alignas(16) uint16_t halves[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < 8; ++j) {
+        if (j >= count) {
+          p[j] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* b = row + (first + j) * block_bytes(F);
+        halves[j] = half_bits(b);
+        if constexpr (F == Q8_0) {
+          p[j] = signed_dot(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), q + j * QB);
+        } else if constexpr (F == Q4_0) {
+          p[j] = unsigned_dot(nibbles16(b + 2), q + j * QB);
+        } else {
+          const __m256i u = _mm256_or_si256(nibbles16(b + 6), _mm256_and_si256(bits_to_bytes(b + 2), _mm256_set1_epi8(0x10)));
+          p[j] = unsigned_dot(u, q + j * QB);
+        }
+      }
+      scale = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(halves)));
+    } else if constexpr (F == Q6_K) {
+      const uint8_t* b = row + gi * block_bytes(F);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      scale = _mm256_set1_ps(half(b + 208));
+      const __m256i high2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        const __m256i codes[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), high2)),
+            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hi, high2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2))};
+        for (int k = 0; k < 4; ++k) {
+          const int j = 4 * h + k;
+          const __m256i lanes = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]), _mm_set1_epi32(sc[2 * j]));
+          p[j] = _mm256_mullo_epi32(signed_dot(_mm256_sub_epi8(codes[k], bias), q + j * QB), lanes);
+        }
+      }
+    } else {  // Q4_K, Q5_K
+      const uint8_t* b = row + gi * block_bytes(F);
+      alignas(32) int32_t scs[8], mins[8];
+      for (int j = 0; j < 8; ++j) k_scale_min(b + 4, j, scs[j], mins[j]);
+      scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scs))));
+      min = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins))));
+      const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
+      [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
+        __m256i lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+        if constexpr (F == Q5_K) {
+          const __m256i five = _mm256_set1_epi8(0x10);
+          const int j0 = 2 * k, j1 = 2 * k + 1;
+          lo = _mm256_or_si256(lo, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4), five));
+          up = _mm256_or_si256(up, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4), five));
+        }
+        p[2 * k] = unsigned_dot(lo, q + 2 * k * QB);
+        p[2 * k + 1] = unsigned_dot(up, q + (2 * k + 1) * QB);
+      }
+    }
+    const int64_t b = b0 + gi * 8;
+    acc = settle<F>(sum_each(p), scale, min, c.scale + b, c.sum + b, c.scaled_sum + b, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  return lanes_sum(lanes);
 }
 
 inline const char* isa() {
@@ -415,6 +520,13 @@ template <int64_t F, typename Y>
 void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part& part, int64_t k, Y* y, int64_t n,
                   int64_t begin, int64_t end, Group& g, float* acc) {
   const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (rows == 1) {
+    for (int64_t o = begin; o < end; ++o)
+      y[part.first_output + o] = static_cast<Y>(row_dot<F>(base + part.offset + o * row_bytes, groups, nblocks, c, 0));
+    return;
+  }
+#endif
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t count = std::min(ROW_CHUNK, rows - r0);
     for (int64_t o = begin; o < end; ++o) {
