@@ -10,6 +10,7 @@ from engine.intake import QuestionRejected
 from schemas import Params, QuestionEvent, sample_seed
 
 NEW_TOKENS = 10
+pytest_plugins = ["serve_fixtures"]
 
 
 def event(qid: str, prompt_ids_len: int = 40, **params) -> tuple[QuestionEvent, list[int]]:
@@ -84,3 +85,30 @@ def test_a_cancel_ends_every_sample(tiny_models, harness):
         answers += core.step().answers
     assert sorted((a.index, a.finish_reason) for a in answers) == [(0, "cancelled"), (1, "cancelled"),
                                                                    (2, "cancelled")]
+
+
+def test_the_async_engine_and_the_pipeline_hand_back_every_sample(tiny_model, harness):
+    import anyio
+
+    from engine import Engine, IsolatedBatchPipeline
+
+    model = tiny_model  # SmolLM2's vocabulary: a text prompt tokenizes within it
+    question = {"prompt": "waves", "params": {"n": 3, "temperature": 1.0, "seed": 8, "max_new_tokens": 6,
+                                              "logprobs": True}}
+
+    async def ask():
+        async with Engine(model, harness.tiny_options()) as engine:
+            handle = await engine.submit(question)
+            deltas = [delta async for delta in engine.stream(handle)]
+            return await engine.wait(handle), await handle.wait_all(), deltas
+
+    first, answers, deltas = anyio.run(ask)
+    assert first is answers[0] and [a.index for a in answers] == [0, 1, 2]
+    for answer in answers:
+        mine = [d for d in deltas if d.index == answer.index]
+        assert [d.seq for d in mine] == list(range(len(mine))) and mine[-1].done
+        assert "".join(d.text for d in mine) == answer.text
+        assert [e for d in mine for e in d.logprobs or ()] == list(answer.logprobs)
+    piped = IsolatedBatchPipeline(model, options=harness.tiny_options()).run([question, "calm"], max_new_tokens=6)
+    assert [(a.question_id, a.index) for a in piped] == [("q0", 0), ("q0", 1), ("q0", 2), ("q1", 0)]
+    assert [a.token_ids for a in piped[:3]] == [a.token_ids for a in answers]
