@@ -133,6 +133,22 @@ def test_int8_weights_follow_fp32(families, harness, smollm2_tokenizer):
         assert (row - expected).abs().max().item() < 0.08 * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "glm"])
+def test_bf16_follows_fp32(families, harness, smollm2_tokenizer, kind):
+    """bf16 is a smoke test, as for the Llama kinds: finite logits near fp32 transformers' on bf16's own
+    sequence, each pick fp32's or a near-tie there."""
+    hf, _kev = families[kind]
+    bf16 = harness.kev_model_from_hf(hf, smollm2_tokenizer, dtype=torch.bfloat16, name=f"tiny-{kind}-bf16")
+    prompt = harness.random_prompt(random.Random(9), 40)
+    outcome = harness.run_core(bf16, [harness.Q("q", prompt, dict(max_new_tokens=NEW_TOKENS))])
+    tokens = outcome.tokens("q")
+    reference = hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1:]
+    for step, (row, expected) in enumerate(zip(outcome.logits["q"], reference, strict=True)):
+        assert torch.isfinite(row).all()
+        assert (row - expected).abs().max().item() < 0.25, f"step {step}: bf16 logits far from fp32"
+        assert expected.max() - expected[tokens[step]] < 0.1, f"step {step}: bf16 picked far below fp32's best"
+
+
 def test_an_unsupported_rope_type_is_named(harness):
     hf = harness.build_hf_tiny("mistral", kinds=FAMILIES)
     config = hf.config
