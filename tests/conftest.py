@@ -46,7 +46,11 @@ def build_hf_tiny(kind: str, seed: int = 0, kinds: dict | None = None, **overrid
     config = cls.config_class(**{**TINY_SHAPE, "vocab_size": VOCAB, **extra, **overrides})
     config.architectures = [cls_name]
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    return randomize(cls(config).eval())
+
+
+def randomize(model):
+    """Random weights everywhere, norms and biases too, drawn from torch's current seed."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -56,7 +60,7 @@ def build_hf_tiny(kind: str, seed: int = 0, kinds: dict | None = None, **overrid
             elif "embed_tokens" in name:
                 param.copy_(EMBED_STD * torch.randn_like(param))
             else:  # fan-in scaling keeps activations O(1), so logits are spread and greedy ties are rare
-                param.copy_(torch.randn_like(param) / math.sqrt(param.shape[1]))
+                param.copy_(torch.randn_like(param) / math.sqrt(param.shape[1] if param.dim() > 1 else param.numel()))
     return model
 
 
@@ -222,7 +226,7 @@ def harness():
     import types
 
     return types.SimpleNamespace(run_core=run_core, Q=Q, tiny_options=tiny_options, random_prompt=random_prompt,
-                                 build_hf_tiny=build_hf_tiny, kev_model_from_hf=kev_model_from_hf,
+                                 build_hf_tiny=build_hf_tiny, kev_model_from_hf=kev_model_from_hf, randomize=randomize,
                                  VOCAB=VOCAB, TINY_KINDS=TINY_KINDS)
 
 

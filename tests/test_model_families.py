@@ -18,6 +18,10 @@ WINDOW = 8
 
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+TINY_SHAPE_GEMMA3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters=GEMMA3_ROPE, query_pre_attn_scalar=32)
 FAMILIES = {
     "mistral": ("MistralForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     # Gemma 2: layer 0 slides, layer 1 sees every key; query_pre_attn_scalar is not head_dim (16).
@@ -179,3 +183,25 @@ def test_a_gguf_of_another_architecture_is_one_line_naming_it(tmp_path, capsys):
     assert main(["model", "prepare", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kev model prepare: tiny-rwkv.gguf: GGUF architecture 'rwkv6'") and err.count("\n") == 1
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(harness, smollm2_tokenizer):
+    """Gemma 3 4B and up (Gemma3ForConditionalGeneration): the text model under model.language_model.,
+    its text_config's layer types and rotary tables; text prompts give transformers' logits."""
+    import transformers
+
+    text = dict(TINY_SHAPE_GEMMA3, vocab_size=harness.VOCAB)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_id=harness.VOCAB - 1, boi_token_index=harness.VOCAB - 2,
+                                       eoi_token_index=harness.VOCAB - 3)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(9)
+    hf = harness.randomize(transformers.Gemma3ForConditionalGeneration(config).eval())
+    kev = harness.kev_model_from_hf(hf, smollm2_tokenizer, name="tiny-gemma3-multimodal")
+    assert kev.spec.layer_rope == ("sliding_attention", "full_attention") and kev.spec.tie_embeddings
+    batch = questions(harness, [60, 9], seed=21)
+    outcome = harness.run_core(kev, batch)
+    for q in batch:
+        assert_matches_hf(hf, q.prompt_ids, outcome.tokens(q.qid), outcome.logits[q.qid])

@@ -30,7 +30,9 @@ FAMILIES = {
     "GlmForCausalLM": "llama",  # partial, interleaved rotary; gate/up fused
     "Gemma2ForCausalLM": "gemma",  # (1 + w) norms around attention and MLP, gelu-tanh, soft caps
     "Gemma3ForCausalLM": "gemma",  # Gemma 2's layer with q/k norms and a local rotary base
+    "Gemma3ForConditionalGeneration": "gemma",  # Gemma 3 4B and up: its text model (images are not read)
 }
+MULTIMODAL = ("Gemma3ForConditionalGeneration",)  # the language model's config is their text_config
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent tables (not dynamic or longrope)
@@ -143,9 +145,10 @@ def spec_from_config(config) -> ModelSpec:
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if arch not in FAMILIES:
         raise UnsupportedModel(f"architecture {arch!r} is not supported; Kev runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    outer, config = config, text_config(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    eos = config.eos_token_id
+    eos = config.eos_token_id if config.eos_token_id is not None else outer.eos_token_id
     family = FAMILIES[arch]
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in ACTIVATIONS:
@@ -164,9 +167,9 @@ def spec_from_config(config) -> ModelSpec:
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position=config.max_position_embeddings,
-        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        tie_embeddings=bool(getattr(outer, "tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
         family=family,
         activation=ACTIVATIONS[act],
@@ -177,6 +180,12 @@ def spec_from_config(config) -> ModelSpec:
         layer_rope=tuple(_layer_type(config, i) if len(rope_params) > 1 else "all"
                          for i in range(config.num_hidden_layers)),
     )
+
+
+def text_config(config):
+    """The language model's config: a multimodal model's text_config, else the config itself."""
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    return config.text_config if arch in MULTIMODAL else config
 
 
 def _layer_type(config, layer: int) -> str:
@@ -209,7 +218,7 @@ def rope_tables(config, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.
     computed exactly as transformers does (llama3, linear and yarn scaling too)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # seconds to import: only at model load
 
-    tables = {}
+    tables, config = {}, text_config(config)
     for key, params in _rope_parameters(config).items():
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:

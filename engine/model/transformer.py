@@ -52,6 +52,9 @@ class LayerWeights:
 
 
 MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's weight matrices
+# Where a checkpoint keeps its decoder: a causal LM's model., Gemma 3's multimodal model.language_model.
+# (language_model.model. as its files on the hub name it)
+WEIGHT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 
 def _row_weight(matrix) -> RowWeight:
@@ -193,13 +196,15 @@ class Transformer:
                 return get(name)
             return (1.0 + get(name).float()).to(dtype)
 
-        layers = [_layer(spec, get, norm, raw.__contains__, f"model.layers.{i}.") for i in range(spec.num_layers)]
-        embed = get("model.embed_tokens.weight")
+        # A multimodal checkpoint holds its language model under another prefix (its images are not read).
+        decoder = next((p for p in WEIGHT_PREFIXES if p + "embed_tokens.weight" in raw), "model.")
+        layers = [_layer(spec, get, norm, raw.__contains__, f"{decoder}layers.{i}.") for i in range(spec.num_layers)]
+        embed = get(decoder + "embed_tokens.weight")
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
         if isinstance(rope, tuple):  # one table for every layer (cos, sin)
             rope = {"all": rope}
         tables = {key: tuple(t.to(device=device, dtype=dtype) for t in pair) for key, pair in rope.items()}
-        model = cls(spec, embed, layers, norm("model.norm.weight"), lm_head, tables)
+        model = cls(spec, embed, layers, norm(decoder + "norm.weight"), lm_head, tables)
         probes = [layers[0].gate_up, layers[0].down]
         if isinstance(probes[0], BlockWeight):  # a GGUF's blocks: block_linear, row_linear's counterpart
             model.matmul = matmul.stored_blocks(probes[0].isa)
