@@ -60,8 +60,31 @@ def test_each_family_reads_its_config(families):
     assert specs["gemma2"].final_softcap == 3.0 and specs["gemma2"].activation == "gelu_tanh"
     assert specs["gemma3"].layer_rope == ("sliding_attention", "full_attention") and specs["gemma3"].qk_norm
     assert specs["phi3"].rotary_dim == 8 and specs["glm"].rotary_dim == 4 and specs["glm"].rope_interleaved
-    for _hf, kev in families.values():  # none of them is the Llama layer the C++ stack runs
-        assert kev.weights.stack is None
+    # The C++ stack runs Llama's layer with a window (Mistral); the others take the Python forward.
+    assert {kind for kind, (_hf, kev) in families.items() if kev.weights.stack is not None} == {"mistral"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_stack_gives_mistral_s_windowed_rows_the_python_forward_s_bits(families, harness, smollm2_tokenizer,
+                                                                          dtype):
+    from engine import EngineCore
+
+    hf, _kev = families["mistral"]
+    model = harness.kev_model_from_hf(hf, smollm2_tokenizer, dtype=dtype, name="tiny-mistral-stack")
+    batch = questions(harness, [70, 12, 41], seed=5)
+    outcomes, calls = [], []
+    for stack in (True, False):
+        core = EngineCore(model, harness.tiny_options(max_tokens_per_step=32))
+        if stack:
+            real = core.runner.weights.stack.forward
+            core.runner.weights.stack.forward = lambda *a: calls.append(1) or real(*a)
+        else:
+            core.runner.weights.stack = None
+        outcomes.append(harness.run_core(model, batch, core=core))
+    assert calls, "the stack never ran"
+    for q in batch:
+        for a, b in zip(outcomes[0].logits[q.qid], outcomes[1].logits[q.qid], strict=True):
+            assert torch.equal(a, b), (q.qid, (a - b).abs().max().item())
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

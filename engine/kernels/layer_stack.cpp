@@ -150,7 +150,7 @@ void place_row(T* qkv, const Shape& s, const torch::Tensor* w, const T* cos, con
 template <typename T>
 void attention_half(torch::Tensor& hidden, const torch::Tensor* w, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const Rows& rows, const Shape& s, const torch::Tensor& cos,
-                    const torch::Tensor& sin_signed) {
+                    const torch::Tensor& sin_signed, int64_t window) {
   const int64_t count = hidden.size(0), n = (s.heads + 2 * s.kv_heads) * s.dim;
   auto qkv = row_kernels::multiply(normed(hidden, w[INPUT_NORM], s.eps), w[QKV], n);
   if (w[QKV_BIAS].numel() > 0)
@@ -163,8 +163,8 @@ void attention_half(torch::Tensor& hidden, const torch::Tensor* w, const torch::
                    k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), rows.slots[r], q.data_ptr<T>() + r * s.heads * s.dim);
     }
   });
-  auto out = paged::attend(q, k_cache, v_cache, rows.table, rows.lengths, rows.block_size, rows.scale, 0, 0.0, c10::nullopt,
-                           c10::nullopt);
+  auto out = paged::attend(q, k_cache, v_cache, rows.table, rows.lengths, rows.block_size, rows.scale, window, 0.0,
+                           c10::nullopt, c10::nullopt);
   auto projected = row_kernels::multiply(out.view({count, s.heads * s.dim}), w[O_PROJ], hidden.size(1));
   add_into(hidden.data_ptr<T>(), projected.data_ptr<T>(), hidden.numel());
 }
@@ -222,11 +222,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
                           torch::Tensor positions, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slots,
                           torch::Tensor table, torch::Tensor lengths, int64_t block_size, int64_t heads,
-                          int64_t kv_heads, int64_t intermediate, double scale, double eps) {
+                          int64_t kv_heads, int64_t intermediate, double scale, double eps,
+                          std::vector<int64_t> windows) {
   using namespace stack;
   const int64_t layers = static_cast<int64_t>(weights.size()) / PER_LAYER;
-  TORCH_CHECK(weights.size() % PER_LAYER == 0 && caches.size() == 2 * weights.size() / PER_LAYER,
-              "layer_stack: ", PER_LAYER, " weights and 2 caches per layer");
+  TORCH_CHECK(weights.size() % PER_LAYER == 0 && caches.size() == 2 * weights.size() / PER_LAYER &&
+              static_cast<int64_t>(windows.size()) == layers,
+              "layer_stack: ", PER_LAYER, " weights, 2 caches and a sliding window (0: none) per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.device().is_cpu(), "layer_stack: hidden [T, width]");
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::ScalarType::Float || dtype == at::ScalarType::BFloat16, "layer_stack: fp32 or bf16 only");
@@ -255,10 +257,10 @@ torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weigh
     const auto& k_cache = caches[2 * layer];
     const auto& v_cache = caches[2 * layer + 1];
     if (dtype == at::ScalarType::Float) {
-      attention_half<float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed);
+      attention_half<float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
       mlp_half<float>(h, w, shape);
     } else {
-      attention_half<at::BFloat16>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed);
+      attention_half<at::BFloat16>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
       mlp_half<at::BFloat16>(h, w, shape);
     }
   }

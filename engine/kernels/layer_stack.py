@@ -38,6 +38,8 @@ class LayerStack:
         self.heads, self.kv_heads, self.eps = spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps
         self.intermediate = model.layers[0].down.shape[1]
         self.scale = spec.head_dim ** -0.5  # as the paged kernel's Python caller computes it
+        # Each layer's sliding window (Mistral, Phi-3; 0: every earlier key), as LayerKV.form gives it to Python.
+        self.windows = [form.window or 0 for form in spec.attention] or [0] * spec.num_layers
         self.dtype = model.cos.dtype
         self._caches: tuple[object, list[torch.Tensor]] | None = None
 
@@ -57,7 +59,7 @@ class LayerStack:
         rows = attend.rows
         return self.op(hidden.contiguous(), self.weights, self._layer_caches(attend.kv), positions.contiguous(),
                        self.cos, self.sin_signed, attend.slots, rows.table, rows.lengths, rows.block_size,
-                       self.heads, self.kv_heads, self.intermediate, self.scale, self.eps)
+                       self.heads, self.kv_heads, self.intermediate, self.scale, self.eps, self.windows)
 
     def _layer_caches(self, kv) -> list[torch.Tensor]:
         """Each layer's keys then values, listed once per cache."""

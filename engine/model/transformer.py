@@ -102,13 +102,14 @@ class Transformer:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether every layer is the plain Llama layer (what the C++ layer stack runs): silu MLP, full
-        rotary by halves from one table, norms only before attention and MLP, plain attention."""
+        """Whether every layer is the Llama layer (what the C++ layer stack runs): silu MLP, full rotary by
+        halves from one table, norms only before attention and MLP, attention scaled by 1/sqrt(head_dim)
+        with no soft cap (a sliding window, as Mistral's, is the stack's too)."""
         spec = self.spec
         plain = AttentionForm.plain(spec.head_dim)
         return (spec.family == "llama" and spec.activation == "silu" and spec.rotary_dim in (0, spec.head_dim)
                 and not spec.rope_interleaved and len(self.ropes) == 1
-                and all(form == plain for form in spec.attention))
+                and all(form.scale == plain.scale and form.softcap is None for form in spec.attention))
 
     @property
     def matmul_kernel(self) -> str:
