@@ -227,3 +227,17 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(harness, smollm2_t
     outcome = harness.run_core(kev, batch)
     for q in batch:
         assert_matches_hf(hf, q.prompt_ids, outcome.tokens(q.qid), outcome.logits[q.qid])
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}], ids=["yarn", "linear"])
+def test_scaled_rotary_tables_match_transformers(harness, smollm2_tokenizer, rope):
+    """Rope scaling beyond llama3's (conftest's llama3-rope-tied kind): yarn (Qwen2.5's long-context
+    configs) and linear, on prompts longer than the original 64 positions."""
+    hf = harness.build_hf_tiny("qwen2", seed=41, rope_parameters=rope)
+    kev = harness.kev_model_from_hf(hf, smollm2_tokenizer, name=f"tiny-qwen2-{rope['rope_type']}")
+    batch = questions(harness, [90, 20], seed=13)
+    outcome = harness.run_core(kev, batch)
+    for q in batch:
+        assert_matches_hf(hf, q.prompt_ids, outcome.tokens(q.qid), outcome.logits[q.qid])
