@@ -112,3 +112,15 @@ def test_the_async_engine_and_the_pipeline_hand_back_every_sample(tiny_model, ha
     piped = IsolatedBatchPipeline(model, options=harness.tiny_options()).run([question, "calm"], max_new_tokens=6)
     assert [(a.question_id, a.index) for a in piped] == [("q0", 0), ("q0", 1), ("q0", 2), ("q1", 0)]
     assert [a.token_ids for a in piped[:3]] == [a.token_ids for a in answers]
+
+
+def test_the_isolation_audit_sees_the_shared_prompt_blocks_as_a_shared_prefix(tiny_models, harness, logs):
+    model = tiny_models["llama"].kev
+    core = EngineCore(model, harness.tiny_options(audit=True, block_size=8))
+    answers = answer_all(core, [event("q", 40, n=3, temperature=1.0, seed=5), event("other", 30, temperature=0.0)])
+    assert len(answers) == 4
+    records = [e for e in logs if e["event"] in ("forward.mask", "forward.isolation_violation")]
+    assert records and all(e["event"] == "forward.mask" for e in records)
+    shared = [s for e in records for s in e["segments"] if s.get("prefix_chain")]
+    assert shared  # the samples read the first one's prompt blocks, under their own chain
+    assert core.pool.num_used == 0
