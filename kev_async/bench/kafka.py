@@ -104,7 +104,7 @@ class PathRun:
     stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # Through Kafka only: per question, (published, its answer, sent), for the profile.
     answers: dict[str, tuple[float, AnswerEvent, float]] = field(default_factory=dict)
-    errors: int = 0  # answers that carry an error (a deadline missed, say): through Kafka only
+    errors: int = 0  # answers not ended by stop or length (a deadline missed, an error): through Kafka only
 
     @property
     def completion_tokens(self) -> int:
@@ -324,7 +324,7 @@ async def _read_trace(producer, consumer, kafka_cfg, questions, offsets, run: Pa
                 qid = answer.question_id
                 if qid in published and qid not in run.tokens:
                     run.tokens[qid] = list(answer.token_ids)
-                    run.errors += answer.error is not None
+                    run.errors += answer.finish_reason not in ("stop", "length")
                     engine_s, produced = answer.timings.e2e_ms / 1000, record.timestamp / 1000
                     run.latency_s[qid] = (read_at if at_reader else produced) - published[qid]
                     last_produced = max(last_produced, read_at if at_reader else produced)
