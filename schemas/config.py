@@ -247,8 +247,9 @@ class KafkaConfig(_Section):
     # (read_committed readers see each answer once) | auto: exactly_once where a start-up probe finds the broker
     # runs transactions, else at_least_once; the choice is logged (kafka.delivery). docs/reliability.md
     delivery: Literal["auto", "at_least_once", "exactly_once"] = "at_least_once"
-    # exactly_once: a transaction commits this long after its first record, or after commit_every records
-    transaction_ms: Annotated[int, Meta(ge=1, le=60_000)] = 100
+    # exactly_once: a transaction commits this long after its first record, or after commit_every records; a
+    # read_committed reader waits up to this for an answer (20: measured, docs/reliability.md#what-it-costs)
+    transaction_ms: Annotated[int, Meta(ge=1, le=60_000)] = 20
     # How long a worker keeps re-sending an answer through transient broker failures before it exits
     # non-zero (to be restarted); nothing is committed before its answer is acked.
     publish_retry_ms: Positive = 60_000
