@@ -36,6 +36,7 @@ from aiokafka.record.default_records import DefaultRecordBatch, _DefaultRecordBa
 from aiokafka.record.util import calc_crc32c
 from kafka_fixtures import (
     StandInEngine,
+    committed,
     kafka_config,
     produce,
     question,
@@ -187,6 +188,31 @@ async def test_tansu_holds_a_committed_transaction_back_while_an_overlapping_one
     # partition one transactional writer.
     assert (highwater, held, released) == (3, 0, 4)
 
+
+
+@pytest.mark.kafka
+async def test_tansu_leaves_the_group_offset_of_a_producers_later_transaction_that_holds_offsets_only(kafka_broker):
+    cfg = kafka_config(kafka_broker)
+    await create_topics(cfg, {"t-in": 1, "t-out": 1})
+    source, group = TopicPartition("t-in", 0), "offsets-only"
+
+    async def transaction(producer, position: int, *, record: bool) -> int | None:
+        await producer.begin_transaction()
+        if record:
+            await (await producer.send("t-out", b"answer", partition=0))
+        await producer.send_offsets_to_transaction({source: position}, group)
+        await producer.commit_transaction()
+        await anyio.sleep(0.5)
+        return (await committed(kafka_broker.bootstrap_servers, group, "t-in", 1))[0]
+
+    async with open_producer(cfg, transactional_id="offsets-first") as first:
+        assert await transaction(first, 1, record=False) == 1  # a producer's first transaction: applied
+    async with open_producer(cfg, transactional_id="offsets-later") as later:
+        assert await transaction(later, 2, record=True) == 2
+        # Kafka would commit 3. Tansu logs the commit and keeps 2: a worker's position settled by a skipped
+        # duplicate alone reaches the group with the partition's next answer (its transaction carries it).
+        assert await transaction(later, 3, record=False) == 2
+        assert await transaction(later, 4, record=True) == 4
 
 def _batches(raw: bytes):
     pos = 0
