@@ -1,5 +1,7 @@
 """Small Llama GGUF files in block formats, written as llama.cpp's converter writes them (q/k rows permuted
-for its rotary layout), with SmolLM2's tokenizer: the files `weights: auto` keeps as stored.
+for its rotary layout), with the first tokens of SmolLM2's tokenizer and the merges among them (a full
+49k vocabulary takes gguf-py and transformers tens of seconds to parse on each load): the files
+`weights: auto` keeps as stored.
 
 Q8_0, Q4_0 and Q5_0 are quantized by gguf-py; Q4_K, Q5_K and Q6_K (which gguf-py only dequantizes) by
 the plain round-to-nearest below, ggml's layouts without its search for the best scales.
@@ -7,10 +9,11 @@ the plain round-to-nearest below, ggml's layouts without its search for the best
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 
 def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -77,15 +80,33 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _add_tokenizer(writer: GGUFWriter, tokenizer, size: int) -> None:
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])][:size]
+    kept = set(tokens)
+    merges = [f"{a} {b}" for a, b in (m if isinstance(m, list) else m.split(" ", 1) for m in model["merges"])
+              if a in kept and b in kept and a + b in kept]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token.startswith("<") and token.endswith(">") else 1 for token in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+
+
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_llama_gguf(hf_model, path: Path, formats: dict[str, str], tokenizer_gguf: Path) -> Path:
-    """`hf_model` (a transformers Llama) as a GGUF: matrix GGUF name suffix (attn_q, ffn_down, output,
-    token_embd ...) -> its block format, per `formats` (missing: F32); the tokenizer copied from
-    `tokenizer_gguf`."""
+def write_llama_gguf(hf_model, path: Path, formats: dict[str, str], tokenizer) -> Path:
+    """`hf_model` (a transformers Llama of vocab_size V) as a GGUF: matrix GGUF name suffix (attn_q,
+    ffn_down, output, token_embd ...) -> its block format, per `formats` (missing: F32); its tokenizer the
+    first V tokens of `tokenizer` (a transformers BPE tokenizer)."""
     config = hf_model.config
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_hidden_layers)
@@ -97,12 +118,7 @@ def write_llama_gguf(hf_model, path: Path, formats: dict[str, str], tokenizer_gg
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    reader = GGUFReader(str(tokenizer_gguf))
-    for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
-            kind = field.types[0]
-            writer.add_key_value(field.name, field.contents(), kind,
-                                 sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    _add_tokenizer(writer, tokenizer, config.vocab_size)
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
 
     def add(name: str, value: np.ndarray, suffix: str) -> None:

@@ -25,7 +25,12 @@ VARIANTS = {  # name -> (load_model dtype, load_model weights, EngineOptions.kv_
     "bf16": ("bf16", "full", "auto"),
     "int8-weights": ("fp32", "int8", "auto"),
     "int8-kv": ("fp32", "full", "int8"),
+    "bf16-int8-weights": ("bf16", "int8", "auto"),
+    # a GGUF in block formats Kev runs as stored (weights: auto; any other model loads these in full)
+    "gguf": ("fp32", "auto", "auto"),
+    "bf16-gguf": ("bf16", "auto", "auto"),
 }
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8-weights", "int8-kv")
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -38,8 +43,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per variant; the median is kept")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    bench.add_argument("--variants", default=",".join(VARIANTS),
-                       help=f"comma-separated, fp32 first (default {','.join(VARIANTS)})")
+    bench.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                       help=f"comma-separated, fp32 first, of {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
     bench.set_defaults(func=_cli)
 
 
