@@ -147,6 +147,9 @@ class GgufState(Mapping):
             return BlockWeight([self._blocks(info)], self.dtype)
         return self._dense(info)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to answer
+        return name in self._tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
