@@ -134,6 +134,7 @@ def test_other_builds_give_the_same_bits(flags):
         mine = BlockWeight([blocks], torch.float32, kernel())
         theirs = BlockWeight([blocks], torch.float32, other)
         assert torch.equal(mine.linear(x), theirs.linear(x)), (name, theirs.isa)
+        assert torch.equal(mine.linear(x[:1]), theirs.linear(x[:1])), (name, theirs.isa)  # a lone row's own path
 
 
 def test_bad_weights_are_refused():
