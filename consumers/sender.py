@@ -181,6 +181,10 @@ class Sender:
         delivered = None
         try:
             delivered = await self._deliver(record, pending, retries, txn, home)
+        except PublishFailed:
+            if txn is not None:  # not committed without it: this error, not the commit's, is the worker's
+                txn.broken = True
+            raise
         finally:
             self._slots.release()
             self._unacked -= 1

@@ -15,6 +15,8 @@ cannot go on, and its caller should exit non-zero.
 `kafka.delivery` picks how offsets are committed (logged once at start, `kafka.delivery`): after the
 answers' acks (at_least_once, consumers/committer.py), or with them in one Kafka transaction per
 questions partition (exactly_once, consumers/transactions.py; questions are then read read_committed).
+A transaction lives on one cluster: `producer_options` that send the answers to other brokers make
+`auto` pick at_least_once.
 
 `healthy()` says whether the loop is consuming: it has polled within `health_window_s` (a paused
 partition is still polled).
@@ -167,7 +169,7 @@ class KafkaWorker:
         try:
             if self.create_topics:
                 await ensure_topics(cfg)
-            self.delivery, why = await choose_delivery(cfg)
+            self.delivery, why = await choose_delivery(cfg, self.producer_options.get("bootstrap_servers"))
             log.info("kafka.delivery", mode=self.delivery, why=why)
             exactly_once = self.delivery == "exactly_once"
             # A first try need not outlast the whole retry budget (aiokafka's default is 40 s).
@@ -192,15 +194,30 @@ class KafkaWorker:
                 self.consumer.subscribe([cfg.questions_topic], listener=self.listener)
                 log.info("kafka_io_started", bootstrap=cfg.bootstrap_servers, group=cfg.group_id,
                          topic=cfg.questions_topic)
+                failed = False
                 try:
                     await self._serve(task_status)
+                except BaseException:
+                    failed = True
+                    raise
                 finally:
                     with anyio.move_on_after(self.shutdown_timeout, shield=True):
-                        committed = await self.committer.commit()
+                        committed = await self._final_commit(failed)
                         log.info("kafka_io_stopping", committed=len(committed), in_flight=self.tracker.in_flight())
         finally:
             self.questions_out.close()
             self.answers_in.close()
+
+    async def _final_commit(self, failed: bool) -> dict:
+        """Commit what is settled on the way out; after a failure, a failing commit is logged, not raised: the
+        failure that stopped the worker is the one to report."""
+        try:
+            return await self.committer.commit()
+        except PublishFailed as error:
+            if not failed:
+                raise
+            log.warning("kafka_io.final_commit_failed", error=str(error))
+            return {}
 
     def stop_intake(self) -> None:
         """Stop fetching and close the engine's inbox; run() ends once the engine's outbox closes."""

@@ -8,8 +8,9 @@ transactional id's next epoch cannot write (UnknownServerError) and its commit i
 What Kev does on it: its read_committed readers drop aborted transactions' records (the fetch guard);
 a worker SIGKILLed between its answers' send and its transaction's commit leaves nothing a
 read_committed reader sees, dead letters and error answers included, and the next owner answers each
-question once; a zombie (paused past its session, then resumed) cannot commit; `auto` picks
-exactly_once where transactions work and at_least_once where they do not.
+question once; a zombie (paused past its session, then resumed) cannot commit; a broker away for a
+while is ridden out, the answer committed once with its offset; `auto` picks exactly_once where
+transactions work and at_least_once where they do not, or where the answers go to other brokers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.default_records import DefaultRecordBatch, _DefaultRecordBatchBuilderPy
 from aiokafka.record.util import calc_crc32c
 from kafka_fixtures import (
+    HoldingEngine,
     StandInEngine,
     committed,
     kafka_config,
@@ -45,9 +47,10 @@ from kafka_fixtures import (
     wait_committed,
     wait_until,
 )
-from serve_fixtures import ROOT, KevProcess, kev_processes, log_events, serve_env, wait_log
+from serve_fixtures import ROOT, KevProcess, free_port, kev_processes, log_events, serve_env, wait_log
+from structlog.testing import capture_logs
 
-from consumers import Outbound, create_topics, topic_plan
+from consumers import EmbeddedBroker, Outbound, create_topics, topic_plan
 from consumers.clients import fetch, open_consumer, open_producer
 from consumers.init_producer_id import InitProducerIdRequest
 from consumers.messages import Partition
@@ -258,6 +261,15 @@ async def test_auto_picks_exactly_once_where_transactions_work_and_exactly_once_
         ("at_least_once", "configured")
     mode, why = await choose_delivery(msgspec.structs.replace(cfg, delivery="auto"))
     assert mode == "exactly_once" and "the broker started a transactional producer" in why
+    # Answers to other brokers than the questions': no transaction holds both.
+    elsewhere = "127.0.0.1:1"
+    assert await choose_delivery(msgspec.structs.replace(cfg, delivery="auto"), elsewhere) == \
+        ("at_least_once", f"auto: answers go to {elsewhere}, questions come from {cfg.bootstrap_servers}: one "
+                          f"transaction cannot hold both")
+    with pytest.raises(DeliveryUnavailable, match="kafka.delivery is exactly_once, but answers go to"):
+        await choose_delivery(msgspec.structs.replace(cfg, delivery="exactly_once"), elsewhere)
+    assert (await choose_delivery(msgspec.structs.replace(cfg, delivery="auto"), cfg.bootstrap_servers))[0] == \
+        "exactly_once"
     # aiokafka as released (InitProducerId v0): Tansu refuses transactions.
     monkeypatch.setattr(aiokafka_sender, "InitProducerIdRequest", transaction.InitProducerIdRequest)
     mode, why = await choose_delivery(msgspec.structs.replace(cfg, delivery="auto"))
@@ -321,6 +333,37 @@ async def test_a_record_acked_without_an_offset_is_sent_again_in_a_new_transacti
         stats = worker.statistics()
     assert sorted(decode_answer(r.value).question_id for r in answers) == ["q0", "q1"]
     assert stats.transactions_aborted == 1 and stats.answers == 2  # redone once, then committed
+
+
+@pytest.mark.kafka
+async def test_a_broker_away_for_a_while_gets_the_answer_once_and_commits_it_with_its_offset(tmp_path):
+    # The one broker (durable: its topics, groups and transactions survive) stops while the answer goes out
+    # and is back after 2.5 s (two request timeouts): aiokafka's transactional producer keeps the record and
+    # its transaction meanwhile, and both go through once it is back, within publish_retry_s.
+    broker = EmbeddedBroker(port=free_port(), storage="durable", data_dir=tmp_path)
+    await broker.astart()
+    cfg = kafka_config(broker, delivery="exactly_once", transaction_ms=50, partitions=1)
+    engine = HoldingEngine()
+    try:
+        with capture_logs() as logs:
+            async with running_worker(cfg, engine, consumer_options={}, publish_retry_s=60.0,
+                                      producer_options={"request_timeout_ms": 1000}) as worker:
+                await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q0")])
+                await wait_until(lambda: len(engine.received) == 1)
+                await broker.astop(kill=True)  # at once: SIGTERM waits seconds for the connected producers
+                engine.release.set()
+                await anyio.sleep(2.5)
+                await broker.astart()
+                answers = await committed_answers(cfg, 1)
+                await wait_committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, {0: 1}, timeout=30)
+                assert worker.healthy()
+                stats = worker.statistics()
+    finally:
+        broker.stop()
+    assert [decode_answer(r.value).question_id for r in answers] == ["q0"]
+    assert stats.answers == 1 and stats.transactions == 1 and stats.transactions_aborted == 0
+    assert stats.transaction_seconds >= 2.5  # the same transaction, committed once the broker was back
+    assert not [e for e in logs if e["event"] in ("transaction.aborted", "kafka_io.final_commit_failed")]
 
 
 class Labelled(StandInEngine):
