@@ -107,8 +107,8 @@ class EmbeddedBroker:
                 await self.astop()  # the object store too: nothing is left running after a failed start
             raise
 
-    async def astop(self) -> int | None:
-        return await anyio.to_thread.run_sync(self.stop)
+    async def astop(self, *, kill: bool = False) -> int | None:
+        return await anyio.to_thread.run_sync(partial(self.stop, kill=kill))
 
     async def arestart(self, *, kill: bool = False) -> float:
         """Stop the broker (SIGKILL if `kill`, else SIGTERM) and start it again on the same port;
@@ -146,10 +146,10 @@ class EmbeddedBroker:
             self.stop()
             raise
 
-    def stop(self) -> int | None:
-        """Terminate, then kill after `stop_timeout`, then stop the object store (durable);
-        returns the broker's exit code (None if never started)."""
-        code = self._stop_broker()
+    def stop(self, *, kill: bool = False) -> int | None:
+        """Terminate (at once with SIGKILL if `kill`), then kill after `stop_timeout`, then stop the object
+        store (durable); returns the broker's exit code (None if never started)."""
+        code = self._stop_broker(kill=kill)
         if self.store is not None:
             self.store.stop()
         return code

@@ -454,7 +454,9 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
             with anyio.fail_after(30):  # taken: stop the broker before its answer is ready
                 while not _in_flight(await _scrape(port)):
                     await anyio.sleep(0.02)
-            await broker.astop()
+            # Killed: Tansu's SIGTERM waits for its clients (5 s with transactional producers connected),
+            # long enough for the answer to go out first.
+            await broker.astop(kill=True)
             stopped = time.monotonic()
             rc = await anyio.to_thread.run_sync(kev.wait, 90)
             took = time.monotonic() - stopped
