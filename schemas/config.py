@@ -242,11 +242,12 @@ class KafkaConfig(_Section):
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
     commit_every: Positive = 100
-    # at_least_once: offsets committed after the answers' acks (a worker that dies may answer a question twice)
-    # | exactly_once: each partition's answers, error answers, dead letters and offsets in one Kafka transaction
-    # (read_committed readers see each answer once) | auto: exactly_once where a start-up probe finds the broker
-    # runs transactions, else at_least_once; the choice is logged (kafka.delivery). docs/reliability.md
-    delivery: Literal["auto", "at_least_once", "exactly_once"] = "at_least_once"
+    # auto: exactly_once where a start-up probe finds the broker runs transactions (and the answers go to the
+    # same brokers), else at_least_once; the choice is logged (kafka.delivery) | exactly_once: each partition's
+    # answers, error answers, dead letters and offsets in one Kafka transaction (read_committed readers see each
+    # answer once) | at_least_once: offsets committed after the answers' acks (a worker that dies may answer a
+    # question twice). docs/reliability.md
+    delivery: Literal["auto", "at_least_once", "exactly_once"] = "auto"
     # exactly_once: a transaction commits this long after its first record, or after commit_every records; a
     # read_committed reader waits up to this for an answer (20: measured, docs/reliability.md#what-it-costs)
     transaction_ms: Annotated[int, Meta(ge=1, le=60_000)] = 20
