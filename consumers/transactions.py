@@ -86,7 +86,7 @@ class Transaction:
     in_play: int = 0  # sent and not yet acked or replaced
     deferred: list[Deferred] = field(default_factory=list)
     gone: bool = False  # revoked or failed: nothing more goes into it
-    broken: bool = False  # a record of it could not be published: it aborts (that record's PublishFailed ends the worker)
+    broken: bool = False  # a record of it was not published: abort, its PublishFailed ends the worker
     unverified: bool = False  # a record was acked without an offset: it may not be in the log (see _redo)
     closed: bool = False  # ended for good: a record acked from now on is settled never
     lock: anyio.Lock = field(default_factory=anyio.Lock)  # one commit at a time
