@@ -182,7 +182,7 @@ def _ticks(ax, blocks: list[_Block], rows: int, keys: int) -> None:
         ax.axvline(b.col, color="#808080", linewidth=0.6, linestyle=":", zorder=0.6)
 
 
-# -- the README's picture: `python -m kev_async.observe.mask_picture docs/mask.png` ------------------
+# -- docs/isolation.md's picture: `python -m kev_async.observe.mask_picture docs/mask.png` ---------
 # (without a path it draws to .cache/mask.png, so a trial run leaves the tracked picture alone)
 
 DEMO_QUESTIONS = ["Hi", "What is 2+2?", "Write a haiku about autumn leaves falling slowly.", "Name three primes."]

@@ -9,7 +9,7 @@
     answers = IsolatedBatchPipeline(load_kev_model("smollm2-135m-instruct")).run(questions, max_new_tokens=64)
 
 The seeds' names (channel_id, elapsed_ms, tokens, hash_bucket, started_at, ended_at) live in kev.Result
-only; each Result carries Kev's AnswerEvent, whose wire names are documented in the README.
+only; each Result carries Kev's AnswerEvent, whose wire names are documented in docs/events.md.
 """
 
 from kev.models import load_kev_model
