@@ -38,3 +38,23 @@ def load_service_config(args: argparse.Namespace, *, check_model: bool = False, 
         structlog.get_logger("kev.config").info("config.seed_keys", mappings=mappings)
     set_threads(cfg.core.threads)
     return cfg
+
+
+def sampling_params(args: argparse.Namespace) -> dict:
+    """--max-new-tokens, --temperature and --seed as question params, those given only."""
+    return {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
+                              ("seed", args.seed)) if v is not None}
+
+
+def bad_sampling(params: dict) -> str | None:
+    """Why `params` are not valid question params, named by their flag; None when they are. Checked before
+    the model loads: a typo should not cost its seconds."""
+    from schemas import Params
+    from schemas._validation import explain
+
+    try:
+        msgspec.convert(params, Params)
+    except msgspec.ValidationError as error:
+        path, reason = explain(error, params, Params)
+        return f"--{path.replace('_', '-')}: {reason}"
+    return None

@@ -6,11 +6,9 @@ import argparse
 import sys
 import time
 
-import msgspec
-
+from kev_async.cli._shared import bad_sampling, sampling_params
 from kev_async.settings import load_config, set_threads
-from schemas import DEFAULT_CONFIG, DEFAULT_MODEL, Params, QuestionEvent
-from schemas._validation import explain
+from schemas import DEFAULT_CONFIG, DEFAULT_MODEL, QuestionEvent
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,22 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _ask(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
-                                ("seed", args.seed)) if v is not None}
-    problem = _bad_params(params)  # before the model loads: a typo should not cost seconds
+    params = sampling_params(args)
+    problem = bad_sampling(params)  # before the model loads: a typo should not cost seconds
     if problem:
         print(f"kev ask: {problem}", file=sys.stderr)
         return 2
     return _answer(args, cfg, params)
-
-
-def _bad_params(params: dict) -> str | None:
-    try:
-        msgspec.convert(params, Params)
-    except msgspec.ValidationError as error:
-        path, reason = explain(error, params, Params)
-        return f"--{path.replace('_', '-')}: {reason}"
-    return None
 
 
 def _answer(args: argparse.Namespace, cfg, params: dict) -> int:

@@ -17,9 +17,9 @@ from pathlib import Path
 import msgspec
 
 from kev_async.observe.audit import AUDIT_EVENTS, ENDING_EVENTS, AuditLog, ForwardRecord, check_log, format_report
+from kev_async.cli._shared import bad_sampling, sampling_params
 from kev_async.settings import load_config, set_threads
-from schemas import DEFAULT_CONFIG, DEFAULT_MODEL, Params, QuestionEvent
-from schemas._validation import explain
+from schemas import DEFAULT_CONFIG, DEFAULT_MODEL, QuestionEvent
 
 DESCRIPTION = """\
 Answer each QUESTION with the model, all packed into shared forward passes (as `kev ask` does), and print
@@ -68,22 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _pipeline(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    params = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature),
-                                ("seed", args.seed)) if v is not None}
-    problem = _bad_params(params) or _bad_flags(args)  # before the model loads: a typo should not cost seconds
+    params = sampling_params(args)
+    problem = bad_sampling(params) or _bad_flags(args)  # before the model loads: a typo should not cost seconds
     if problem:
         print(f"kev pipeline: {problem}", file=sys.stderr)
         return 2
     return _run(args, cfg, params)
-
-
-def _bad_params(params: dict) -> str | None:
-    try:
-        msgspec.convert(params, Params)
-    except msgspec.ValidationError as error:
-        path, reason = explain(error, params, Params)
-        return f"--{path.replace('_', '-')}: {reason}"
-    return None
 
 
 def _bad_flags(args: argparse.Namespace) -> str | None:
