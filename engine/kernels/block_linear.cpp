@@ -240,6 +240,19 @@ inline __m256i bits_to_bytes(const uint8_t* p) {  // bit i of 32 -> byte i: 0xFF
 
 inline void put(void* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
 
+// Q6_K: half h (0 or 1) of a block's 256 6-bit codes, as four 32-byte runs (0..63; the bias of 32 not yet taken).
+inline void q6k_codes(const uint8_t* b, int h, __m256i codes[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0xF), high2 = _mm256_set1_epi8(0x30);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  codes[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), high2));
+  codes[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), high2));
+  codes[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hi, high2));
+  codes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                             _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2));
+}
+
 template <int64_t F>
 inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
   const __m256i low4 = _mm256_set1_epi8(0xF);
@@ -268,16 +281,10 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
     const uint8_t* b = row + g * block_bytes(F);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half(b + 208);
-    const __m256i high2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+    const __m256i bias = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      const __m256i codes[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), high2)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), high2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hi, high2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2))};
+      __m256i codes[4];
+      q6k_codes(b, h, codes);
       for (int c = 0; c < 4; ++c) {
         const __m256i w = _mm256_sub_epi8(codes[c], bias);
         put(out.w[4 * h + c], w);
@@ -405,16 +412,10 @@ inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const 
       const uint8_t* b = row + gi * block_bytes(F);
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       scale = _mm256_set1_ps(half(b + 208));
-      const __m256i high2 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      const __m256i bias = _mm256_set1_epi8(32);
       for (int h = 0; h < 2; ++h) {
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-        const __m256i codes[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 4), high2)),
-            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(hi, 2), high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hi, high2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2))};
+        __m256i codes[4];
+        q6k_codes(b, h, codes);
         for (int k = 0; k < 4; ++k) {
           const int j = 4 * h + k;
           const __m256i lanes = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]), _mm_set1_epi32(sc[2 * j]));
