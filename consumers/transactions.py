@@ -43,7 +43,7 @@ from typing import Any
 import anyio
 import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import IllegalOperation, KafkaError
 
 from consumers.clients import producer_options, quietly
 from consumers.delivery import PublishFailed, short_error
@@ -295,8 +295,9 @@ class Transactions:
                     await self._abort(txn, "a record of it could not be published")
                     return {}
                 return await self._end(txn)
-            except (KafkaError, TimeoutError, AssertionError) as error:
-                # aiokafka asserts on a transition its state forbids (a producer its sender gave up on)
+            except (KafkaError, IllegalOperation, TimeoutError, AssertionError) as error:
+                # aiokafka asserts on a transition its state forbids (a producer its sender gave up on), and
+                # refuses the offsets of a transaction a failed send left abortable (IllegalOperation): abort it
                 await self._abort(txn, short_error(error))
                 if failing:
                     raise PublishFailed(f"transaction {txn.tid} could not commit: {short_error(error)}") from error
