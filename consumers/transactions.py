@@ -314,7 +314,10 @@ class Transactions:
             return {}  # positions settled without a record wait for the partition's next record (see `settled`)
         positions = {p: at for p, at in self.tracker.committable().items() if p == txn.partition}
         producer = txn.producer
-        with anyio.fail_after(self.window_s):
+        # Shielded: aiokafka ends a commit it has begun whoever stops waiting for it, and a caller cancelled
+        # mid-commit (the periodic committer at a graceful stop) left `began` set on a producer already READY:
+        # the stop's own commit then sent offsets outside any transaction (IllegalOperation) and exited 1.
+        with anyio.CancelScope(shield=True), anyio.fail_after(self.window_s):
             if positions:
                 await producer.send_offsets_to_transaction(
                     {TopicPartition(*p): at for p, at in positions.items()}, self.cfg.group_id)
@@ -345,7 +348,7 @@ class Transactions:
             self.aborted += 1
             log.warning("transaction.redone", transactional_id=txn.tid, records=len(txn.deferred), attempt=attempt,
                         reason="a record was acknowledged without an offset")
-            with anyio.fail_after(self.window_s):
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.window_s):  # as the commit: no half-redo
                 await txn.producer.abort_transaction()
                 await txn.producer.begin_transaction()
                 pending = [await deferred.again(txn.producer) for deferred in txn.deferred]

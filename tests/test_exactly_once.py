@@ -336,6 +336,32 @@ async def test_a_record_acked_without_an_offset_is_sent_again_in_a_new_transacti
 
 
 @pytest.mark.kafka
+async def test_a_commit_whose_caller_is_cancelled_midway_still_settles_and_the_stop_commits_cleanly(kafka_broker):
+    # A graceful stop cancels the periodic committer, perhaps mid-commit; aiokafka finishes that commit anyway.
+    # Before the commit was shielded its transaction stayed "open" on Kev's side: the stop's own commit then
+    # sent offsets outside any transaction (IllegalOperation) and the worker exited 1 (seen once in CI).
+    cfg = kafka_config(kafka_broker, delivery="exactly_once", transaction_ms=600_000, commit_every=1000, partitions=1)
+    async with running_worker(cfg) as worker:
+        await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q0")])
+        txn = worker.committer._owned[Partition(cfg.questions_topic, 0)]
+        await wait_until(lambda: txn.began is not None and txn.in_play == 0 and txn.deferred)
+        manager = txn.producer._txn_manager
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker.committer._commit, txn)
+                while not (manager._pending_txn_offsets or not manager.is_in_transaction()):
+                    await anyio.sleep(0)  # cancel as soon as the offsets or the commit are on their way
+                scope.cancel()
+        assert txn.began is None and not txn.deferred  # the commit ran to its end and settled its answer
+        assert await worker.committer.commit() == {}  # nothing open: the stop's commit has nothing to do
+        answers = await committed_answers(cfg, 1)
+        await wait_committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, {0: 1})
+        stats = worker.statistics()
+    assert [decode_answer(r.value).question_id for r in answers] == ["q0"]
+    assert stats.transactions == 1 and stats.transactions_aborted == 0 and stats.answers == 1
+
+
+@pytest.mark.kafka
 async def test_a_broker_away_for_a_while_gets_the_answer_once_and_commits_it_with_its_offset(tmp_path):
     # The one broker (durable: its topics, groups and transactions survive) stops while the answer goes out
     # and is back after 2.5 s (two request timeouts): aiokafka's transactional producer keeps the record and
