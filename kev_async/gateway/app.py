@@ -32,10 +32,11 @@ from starlette.routing import Route
 from kev_async.gateway.callers import Caller, new_question_id
 from kev_async.gateway.connections import BODY_LATE
 from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
-from kev_async.gateway.metrics import CLIENT_GONE, CONTENT_TYPE, ObserveRequests, mark_client_gone
+from kev_async.gateway.metrics import CLIENT_GONE, ObserveRequests, mark_client_gone
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
 from kev_async.gateway.openai_responses import chat_completion, kev_headers, raise_for_error, text_completion
 from kev_async.gateway.query import new_request_id, parse_query, query_response, take_slots, to_questions, wait_for_all
+from kev_async.gateway.read_routes import health, json_response, kept_answer, metrics, models
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
@@ -45,7 +46,6 @@ log = structlog.get_logger("kev.gateway")
 
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
-_JSON = msgspec.json.Encoder()
 # A refusal sent before the body was read in full: the rest of the body is not read either.
 _CLOSE = {"connection": "close"}
 
@@ -142,7 +142,7 @@ class QueryEndpoint(AnswerEndpoint):
         with take_slots(gateway.slots, caller.tenant, len(questions) - 1):
             answers = await _ask_all(request, gateway, questions, wait_s, arrived_ms)
         body = query_response(parsed, request_id, questions, answers, caller, wait_s)
-        return _json(body, headers={"x-request-id": request_id})
+        return json_response(body, headers={"x-request-id": request_id})
 
 
 async def _ask_all(request: Request, gateway: Gateway, questions: list[QuestionEvent], wait_s: float,
@@ -190,38 +190,6 @@ def _client_gone(scope, why: str) -> None:
     log.info("gateway.client_gone", status=CLIENT_GONE, path=scope.get("path"), why=why)
 
 
-async def kept_answer(request: Request) -> Response:
-    """The whole answer of a stream that ended `stream_restarted`, for the tenant that asked (kept_answers.py)."""
-    gateway: Gateway = request.app.state.gateway
-    caller = gateway.caller(request.headers.get("authorization"))
-    answer_id = request.path_params["answer_id"]
-    chat = request.url.path.startswith("/v1/chat/")
-    kept = gateway.kept.get(answer_id, caller.tenant)
-    if kept is None or kept.chat != chat:
-        raise ApiError(404, f"No kept answer {answer_id[:80]!r}: only the answers of restarted streams are kept, "
-                            f"for a few minutes, for the API key's tenant.", code="not_found")
-    shape = chat_completion if chat else text_completion
-    return _json(shape([kept.answer], id_=answer_id, model=kept.model, created=kept.created,
-                       show_cached=not caller.anonymous), headers=kev_headers(kept.answer, audit=caller.audit))
-
-
-async def models(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    gateway.auth.tenant(request.headers.get("authorization"))
-    return _json(gateway.catalog.listing())
-
-
-async def health(request: Request) -> Response:
-    """Healthy or not, and nothing more: no topic, host or process for anyone to aim at."""
-    ok = request.app.state.gateway.publisher.healthy
-    return _json({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
-
-
-async def metrics(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
-
-
 async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest],
                   caller: Caller, started: float, arrived_ms: int) -> Response:
     body = await _read_body(request, gateway.cfg.gateway)
@@ -247,7 +215,7 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
     shape = chat_completion if chat else text_completion
     body = shape(answers, id_=question_id, model=parsed.model, created=int(time.time()),
                  show_cached=not caller.anonymous)
-    return _json(body, headers={"x-request-id": question_id, **kev_headers(answers[0], audit=caller.audit)})
+    return json_response(body, headers={"x-request-id": question_id, **kev_headers(answers[0], audit=caller.audit)})
 
 
 async def _ask(request: Request, gateway: Gateway, question: QuestionEvent, wait_s: float,
@@ -310,7 +278,3 @@ async def _read_body(request: Request, cfg: GatewayConfig) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _json(body: dict, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_JSON.encode(body), status_code=status, headers=headers, media_type="application/json")
