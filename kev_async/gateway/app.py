@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kev_async.gateway.bodies import CLOSE, ClientGone, read_body
 from kev_async.gateway.callers import Caller, new_question_id
-from kev_async.gateway.connections import BODY_LATE
 from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
 from kev_async.gateway.metrics import CLIENT_GONE, ObserveRequests, mark_client_gone
 from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, parse_request, to_question
@@ -40,18 +40,12 @@ from kev_async.gateway.read_routes import health, json_response, kept_answer, me
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
-from schemas import AnswerEvent, GatewayConfig, QuestionEvent
+from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.gateway")
 
 # After a question's deadline the worker answers "timeout"; give that answer this long to come back.
 REPLY_GRACE_S = 5.0
-# A refusal sent before the body was read in full: the rest of the body is not read either.
-_CLOSE = {"connection": "close"}
-
-
-class ClientGone(Exception):
-    """The client left before its response: nothing can be sent, the question (if any) is cancelled."""
 
 
 def create_app(gateway: Gateway) -> ObserveRequests:
@@ -103,7 +97,7 @@ class AnswerEndpoint:
             caller = gateway.caller(request.headers.get("authorization"))
             slot = gateway.slots.take(caller.tenant)
         except ApiError as error:
-            error.headers = {**(error.headers or {}), **_CLOSE}
+            error.headers = {**(error.headers or {}), **CLOSE}
             await _respond(error.response(), scope, receive, send)
             return
         with slot:
@@ -132,7 +126,7 @@ class QueryEndpoint(AnswerEndpoint):
 
     async def respond(self, request: Request, caller: Caller, started: float, arrived_ms: int) -> Response:
         gateway, request_id = self.gateway, new_request_id()
-        parsed = parse_query(await _read_body(request, gateway.cfg.gateway), gateway.cfg)
+        parsed = parse_query(await read_body(request, gateway.cfg.gateway), gateway.cfg)
         adapter = gateway.catalog.resolve(parsed.model) if parsed.model is not None else None
         timeout_ms = gateway.deadline_ms(request, stream=False)
         questions = to_questions(parsed, request_id=request_id, caller=caller, reply_topic=gateway.replies.topic,
@@ -192,7 +186,7 @@ def _client_gone(scope, why: str) -> None:
 
 async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | type[CompletionRequest],
                   caller: Caller, started: float, arrived_ms: int) -> Response:
-    body = await _read_body(request, gateway.cfg.gateway)
+    body = await read_body(request, gateway.cfg.gateway)
     parsed = parse_request(body, kind)
     if parsed.model is None:
         parsed = msgspec.structs.replace(parsed, model=gateway.catalog.model)
@@ -250,31 +244,3 @@ async def _answer_or_hangup(pending: Pending, receive, wait_s: float) -> tuple[A
     finally:
         hangup.cancel()
     return pending.answer, pending.answer is None and hung_up
-
-
-async def _read_body(request: Request, cfg: GatewayConfig) -> bytes:
-    """The whole body, up to max_body_bytes (413) and within body_read_timeout_ms of the headers (408, from
-    connections.py); both close the connection, so the rest is never read. ClientGone if the client hangs up."""
-    limit = cfg.max_body_bytes
-    too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large",
-                         headers=_CLOSE)
-    declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-        raise too_large
-    chunks, size = [], 0
-    while True:
-        # receive() rather than request.stream(): the protocol wakes it when the deadline passes, with no
-        # timer of the app's own (a timer per request is event-loop time, and the loop is the latency).
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone(f"hung up after {size} bytes of its body")
-        if request.scope.get(BODY_LATE):
-            raise ApiError(408, f"The request body did not arrive within {cfg.body_read_timeout_ms / 1000:g} s.",
-                           code="body_timeout", headers=_CLOSE)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
