@@ -32,11 +32,11 @@ def scheduler_limits(options: EngineOptions, model_positions: int, attention=Non
     """`attention`: the runner's backend; a prompt grid only where prompts attend by calls whose shapes follow
     the chunk (SDPA, flash-attn), not where every row attends as a decode (RowwiseAttention)."""
     return SchedulerLimits(
-        max_running=options.max_batch_size,
+        max_parallel_queries=options.max_parallel_queries,
         max_tokens_per_step=options.max_tokens_per_step,
         prompt_chunk_tokens=min(options.prompt_chunk_tokens, options.max_tokens_per_step),
         max_context=min(options.max_context, model_positions),  # past the rotary table there is no position
-        capacity_tokens=options.kv_slot_capacity,
+        capacity_tokens=options.capacity_tokens,
         max_waiting=options.max_waiting,
         batch_window_s=options.batch_window_ms / 1000,
         policy=options.policy,

@@ -17,7 +17,7 @@ from engine.adapters.files import LoraAdapter
 from engine.adapters.pool import LoraPool
 from engine.assembly import block_size_for, pick_attention, scheduler_limits
 from engine.constrain import Constraints
-from engine.defaults import DefaultsRegistry
+from engine.sampling_defaults import DefaultsRegistry
 from engine.deterministic.mode import math_mode
 from engine.forward_audit import ForwardAudit
 from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt, unknown_fields

@@ -30,7 +30,7 @@ from engine.adapters.files import LoraAdapter
 from engine.compile_budget import CompileBudget, compile_threads
 from engine.compile_threads import CompileThreads, CompileThreadsClosed
 from engine.core import EngineCore
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 from engine.intake import QuestionRejected
 from engine.kernels.omp_pool import release_thread_pool
 from engine.options import EngineOptions
@@ -84,7 +84,7 @@ class Engine:
         self._handles: dict[str, Handle] = {}
         self._numbers = itertools.count()  # ids for questions given as plain strings or dicts
         # overflow_policy=wait: a submitter waits here for a free place instead of being refused.
-        places = self.options.max_batch_size + self.options.max_waiting
+        places = self.options.max_parallel_queries + self.options.max_waiting
         self._places = anyio.Semaphore(places if self.options.overflow_policy == "wait" else 1 << 30)
         self._task_group = None
         self._tokenizing: anyio.CapacityLimiter | None = None

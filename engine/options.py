@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 from schemas import (
     DEFAULT_CONFIG,
     AttentionBackend,
@@ -35,8 +35,8 @@ def _read(cfg: KevConfig, path: str):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch_size: int = _key("router.max_parallel_queries")  # questions decoded together
-    kv_slot_capacity: int | None = _key("kv_cache.capacity_tokens")  # past it: finish_reason "length"
+    max_parallel_queries: int = _key("router.max_parallel_queries")  # questions decoded together
+    capacity_tokens: int | None = _key("kv_cache.capacity_tokens")  # past it: finish_reason "length"
     max_context: int = _key("core.max_context")  # positions one question may reach, prompt included
     block_size: int = _key("kv_cache.block_size")  # tokens per KV block (flash-attn's paged kernels: a multiple of 256)
     num_blocks: int | None = _key("kv_cache.num_blocks")  # KV pool size; None = from kv_budget_bytes / free memory
@@ -81,7 +81,7 @@ class EngineOptions:
     @property
     def max_in_flight(self) -> int:
         """The channel pool: questions a worker holds at once, in the batch or waiting for a channel there."""
-        return self.channel_pool_size or 2 * self.max_batch_size
+        return self.channel_pool_size or 2 * self.max_parallel_queries
 
     @classmethod
     def from_config(cls, cfg: KevConfig, worker: str = "kev") -> "EngineOptions":

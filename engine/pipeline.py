@@ -35,12 +35,13 @@ class Answers(list):
 class IsolatedBatchPipeline:
     """Blocking, one call at a time: `run(questions, **params) -> Answers` in input order."""
 
-    def __init__(self, model, *, max_batch_size: int = EngineOptions.max_batch_size,
+    def __init__(self, model, *, max_batch_size: int = EngineOptions.max_parallel_queries,
                  kv_slot_capacity: int | None = None,
                  early_stop: bool = EngineOptions.early_stop, options: EngineOptions | None = None, **option_overrides):
         options = options or EngineOptions()
-        self.options = dataclasses.replace(options, max_batch_size=max_batch_size,
-                                           kv_slot_capacity=kv_slot_capacity or options.kv_slot_capacity,
+        # the seeds' names for router.max_parallel_queries and kv_cache.capacity_tokens, mapped here once
+        self.options = dataclasses.replace(options, max_parallel_queries=max_batch_size,
+                                           capacity_tokens=kv_slot_capacity or options.capacity_tokens,
                                            early_stop=early_stop, batch_window_ms=0.0, max_waiting=1 << 30,
                                            overflow_policy="queue", **option_overrides)
         self.core = EngineCore(model, self.options)

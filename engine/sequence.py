@@ -47,7 +47,7 @@ _FINISH_REASONS = {
 @dataclass(frozen=True)
 class SamplingParams:
     """Fully resolved sampling settings: no field means "use a default" any more. The engine sets every
-    field (engine/defaults.py); one built by hand gets kev.yaml's `sampling` defaults."""
+    field (engine/sampling_defaults.py); one built by hand gets kev.yaml's `sampling` defaults."""
 
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature

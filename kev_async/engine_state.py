@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from engine import Engine
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 
 log = structlog.get_logger("kev.engine_actor")
 

@@ -102,7 +102,7 @@ class IsolationConfig(_Section):
 
 class KvCacheConfig(_Section):
     block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
-    capacity_tokens: Positive | None = None  # per-question cap ("kv_slot_capacity")
+    capacity_tokens: Positive | None = None  # per-question cap (the seeds' kv_slot_capacity)
     num_blocks: Positive | None = None
     memory_budget_bytes: Positive | None = None
     memory_fraction: Fraction = 0.5

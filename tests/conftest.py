@@ -146,7 +146,7 @@ class Outcome:
 def tiny_options(**overrides):
     """EngineOptions sized for tiny models: a small pool, no batching window, greedy defaults (no env)."""
     from engine import EngineOptions
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
 
     base = dict(num_blocks=512, block_size=16, max_context=512, batch_window_ms=0.0, defaults=Defaults())
     return EngineOptions(**{**base, **overrides})

@@ -151,14 +151,14 @@ def test_decode_control_says_what_is_wrong(raw, reason, message):
 @pytest.mark.anyio
 async def test_engine_actor_loads_and_unloads_adapters_and_survives_bad_ones(tiny_model, tmp_path, logs):
     from engine import Engine, EngineOptions
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
     from engine.adapters.files import AdapterError
     from kev_async.bench.lora import write_random_adapter
     from kev_async.engine_actor import EngineClient, LoadAdapter, UnloadAdapter, engine_actor
     from kev_async.runtime.actors import Mailbox, ask
 
     path = write_random_adapter(tmp_path / ADAPTER, tiny_model, rank=4, seed=0)
-    options = EngineOptions(max_batch_size=4, num_blocks=64, max_context=128, batch_window_ms=0,
+    options = EngineOptions(max_parallel_queries=4, num_blocks=64, max_context=128, batch_window_ms=0,
                             defaults=Defaults())
     questions, answers = Mailbox("q", 8), Mailbox("a", 8)
 

@@ -32,9 +32,9 @@ def named(logs, event: str) -> list[dict]:
 
 def engine_options():
     from engine import EngineOptions
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
 
-    return EngineOptions(max_batch_size=4, num_blocks=64, max_context=128, batch_window_ms=0, defaults=Defaults())
+    return EngineOptions(max_parallel_queries=4, num_blocks=64, max_context=128, batch_window_ms=0, defaults=Defaults())
 
 
 async def test_engine_actor_applies_each_command_id_once(tiny_model, tmp_path, logs):

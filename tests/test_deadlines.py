@@ -37,7 +37,7 @@ def model(harness, smollm2_tokenizer):
 
 @pytest.fixture
 def options(harness):
-    return harness.tiny_options(max_batch_size=4)
+    return harness.tiny_options(max_parallel_queries=4)
 
 
 def now_ms(offset_s: float = 0.0) -> int:
@@ -98,7 +98,7 @@ async def test_a_future_timestamp_does_not_extend_the_deadline(model, options):
 
 
 def test_a_question_that_expires_in_the_waiting_queue_is_never_prefilled(model, harness):
-    core = EngineCore(model, harness.tiny_options(max_batch_size=1))
+    core = EngineCore(model, harness.tiny_options(max_parallel_queries=1))
     core.add(QuestionEvent(question_id="running", prompt="Tell me a story.", params=Params(max_new_tokens=50)))
     core.step()  # "running" holds the only channel
     core.add(QuestionEvent(question_id="waiting", prompt="Name a colour.", params=SHORT, timeout_ms=30))

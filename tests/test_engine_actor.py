@@ -24,7 +24,7 @@ from schemas import DEFAULT_MODEL, AnswerDelta, AnswerEvent, Params, QuestionEve
 
 pytestmark = pytest.mark.anyio
 
-OPTIONS = EngineOptions(max_batch_size=16, batch_window_ms=1, num_blocks=128, block_size=16, max_context=512)
+OPTIONS = EngineOptions(max_parallel_queries=16, batch_window_ms=1, num_blocks=128, block_size=16, max_context=512)
 SHORT = Params(max_new_tokens=8, temperature=0)
 LONG = Params(max_new_tokens=400, temperature=0)  # hundreds of steps: still decoding when cancelled
 

@@ -101,7 +101,7 @@ def test_prompt_past_the_models_positions_is_refused_not_a_crash(tiny_models):
     with prompt_too_long, a prompt that would grow past 512 ends there with "length", and the
     question sharing the batch still gets its answer."""
     from engine import EngineCore, EngineOptions, QuestionRejected
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
     from schemas import Params, QuestionEvent
 
     model = tiny_models["llama"].kev
@@ -128,7 +128,7 @@ def test_prompt_past_the_models_positions_is_refused_not_a_crash(tiny_models):
 # -- on the tiny random model (tests/serve_fixtures.py) ----------------------------------------------
 
 def tiny_greedy(**overrides):
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
 
     return tiny_options(defaults=Defaults(temperature=0.0, max_new_tokens=4), **overrides)
 

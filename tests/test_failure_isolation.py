@@ -102,7 +102,7 @@ def anyio_backend(request):
 
 @pytest.mark.anyio
 async def test_overflow_wait_makes_a_burst_wait_instead_of_refusing_it(model):
-    options = tiny_options(max_batch_size=4, max_waiting=2, overflow_policy="wait")
+    options = tiny_options(max_parallel_queries=4, max_waiting=2, overflow_policy="wait")
     async with Engine(model, options) as engine:
         handles = [await engine.submit(question(f"q{i}", tokens=4)) for i in range(6)]
         answers = [await engine.wait(h, 30) for h in handles]

@@ -69,7 +69,7 @@ def admitted_order(plans) -> list[str]:
 
 # -- fair share ----------------------------------------------------------------------------------------
 def test_a_newcomer_beside_a_flood_that_holds_every_channel_gets_one_at_once():
-    sched = make(max_running=4)
+    sched = make(max_parallel_queries=4)
     flood = [question(f"b{i}", BULK, max_new=50, arrival=i) for i in range(12)]
     for seq in flood:
         sched.add(seq)
@@ -88,7 +88,7 @@ def test_a_newcomer_beside_a_flood_that_holds_every_channel_gets_one_at_once():
 
 
 def test_an_idle_engine_gives_everything_to_whoever_asks():
-    sched = make(max_running=4, tenants={"bulk": {"weight": 1}, "chat": {"weight": 9}})
+    sched = make(max_parallel_queries=4, tenants={"bulk": {"weight": 1}, "chat": {"weight": 9}})
     for i in range(6):
         sched.add(question(f"b{i}", BULK, arrival=i))
     step(sched)
@@ -96,7 +96,7 @@ def test_an_idle_engine_gives_everything_to_whoever_asks():
 
 
 def test_a_principal_back_from_idle_banks_no_credit():
-    sched = make(max_running=2)
+    sched = make(max_parallel_queries=2)
     for i in range(4):
         sched.add(question(f"c{i}", CHAT, max_new=4, arrival=i))
     drain(sched)
@@ -111,7 +111,7 @@ def test_a_principal_back_from_idle_banks_no_credit():
 
 @pytest.mark.parametrize("weights", [(1, 1), (3, 1)])
 def test_two_backlogged_principals_are_served_by_weight(weights):
-    sched = make(max_running=8, max_tokens_per_step=64,
+    sched = make(max_parallel_queries=8, max_tokens_per_step=64,
                  tenants={"bulk": {"weight": weights[0]}, "chat": {"weight": weights[1]}})
     for i in range(200):
         sched.add(question(f"b{i}", BULK, prompt_len=6, max_new=12, arrival=i))
@@ -125,7 +125,7 @@ def test_two_backlogged_principals_are_served_by_weight(weights):
 
 
 def test_preemption_takes_from_the_most_served_principal_its_cheapest_question():
-    sched = make(num_blocks=9, block_size=4, max_running=4)
+    sched = make(num_blocks=9, block_size=4, max_parallel_queries=4)
     old = question("bulk-old", BULK, prompt_len=8, max_new=30, arrival=1)
     new = question("bulk-new", BULK, prompt_len=3, max_new=30, arrival=2)
     chat = question("chat", CHAT, prompt_len=7, max_new=30, arrival=3)
@@ -140,7 +140,7 @@ def test_preemption_takes_from_the_most_served_principal_its_cheapest_question()
 
 
 def test_while_a_less_served_principal_decodes_a_more_served_ones_prompts_wait():
-    sched = make(max_running=8, max_tokens_per_step=64, prompt_chunk_tokens=64)
+    sched = make(max_parallel_queries=8, max_tokens_per_step=64, prompt_chunk_tokens=64)
     for i in range(3):
         sched.add(question(f"b{i}", BULK, prompt_len=4, max_new=60, arrival=i))
     for _ in range(5):
@@ -166,7 +166,7 @@ def test_while_a_less_served_principal_decodes_a_more_served_ones_prompts_wait()
 
 # -- within a principal: priority, then the earliest deadline ------------------------------------------
 def test_within_a_principal_priority_comes_first_then_the_earliest_deadline():
-    sched = make(max_running=1)
+    sched = make(max_parallel_queries=1)
     sched.add(question("late", BULK, arrival=1, deadline=5000.0))
     sched.add(question("none", BULK, arrival=0))
     sched.add(question("soon", BULK, arrival=2, deadline=4000.0))
@@ -203,7 +203,7 @@ def test_a_tenant_over_its_token_rate_waits_and_is_never_failed():
 
 
 def test_max_in_flight_bounds_a_tenants_questions_in_the_batch():
-    sched = make(max_running=8, tenants={"bulk": {"max_in_flight": 2}})
+    sched = make(max_parallel_queries=8, tenants={"bulk": {"max_in_flight": 2}})
     for i in range(5):
         sched.add(question(f"b{i}", BULK, max_new=6, arrival=i))
     sched.add(question("chat", CHAT, max_new=6, arrival=9))
@@ -300,23 +300,23 @@ MAX_CONTEXT = 40  # one question's maximum: prompt and answer together
 @given(
     arrivals=st.lists(arrival_st, min_size=6, max_size=50),
     weights=st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from([1, 3])),
-    max_running=st.integers(1, 6),
+    max_parallel_queries=st.integers(1, 6),
     extra_budget=st.integers(0, 12),
     tight_pool=st.none() | st.integers(24, 120),
     block_size=st.sampled_from([1, 2, 4]),
     quota=st.none() | st.integers(20, 200),
 )
 def test_random_traffic_from_several_principals_is_served_fairly_and_leaks_nothing(
-        arrivals, weights, max_running, extra_budget, tight_pool, block_size, quota):
+        arrivals, weights, max_parallel_queries, extra_budget, tight_pool, block_size, quota):
     """VTC's bound: while two principals stay backlogged, their service (tokens computed, over their weights)
     differs by at most one step's token budget plus one question's maximum, as long as the KV pool holds
     every question (a `tight_pool` may make a principal's next question wait for blocks while another's
     smaller ones go: then only no starvation, no leak and every question ending once are checked)."""
     clock = FakeClock(0.0)
-    budget = max_running + extra_budget
-    pool_tokens = tight_pool or max_running * MAX_CONTEXT * 2
+    budget = max_parallel_queries + extra_budget
+    pool_tokens = tight_pool or max_parallel_queries * MAX_CONTEXT * 2
     tenants = {"bulk": {"weight": weights[0]}, "chat": {"weight": weights[1], "max_tokens_per_second": quota}}
-    sched = make(-(-pool_tokens // block_size), block_size, clock, tenants, max_running=max_running,
+    sched = make(-(-pool_tokens // block_size), block_size, clock, tenants, max_parallel_queries=max_parallel_queries,
                  max_tokens_per_step=budget, max_context=MAX_CONTEXT)
     weight = {BULK: weights[0], CHAT: weights[1], THIRD: 1}
     accepted, ended = [], []
@@ -403,7 +403,7 @@ def test_a_newcomer_is_answered_before_a_floods_tail_with_the_tokens_it_gets_alo
     flood = [(0, BULK, harness.Q(f"b{i}", harness.random_prompt(rng, rng.randint(10, 60)),
                                  dict(max_new_tokens=24, temperature=0.0))) for i in range(16)]
     chat = (4, CHAT, harness.Q("chat", harness.random_prompt(rng, 12), dict(max_new_tokens=6, temperature=0.0)))
-    runs = {policy: core_run(model, harness.tiny_options(max_batch_size=4, policy=policy), flood + [chat])
+    runs = {policy: core_run(model, harness.tiny_options(max_parallel_queries=4, policy=policy), flood + [chat])
             for policy in ("fcfs", "fair")}
     (fcfs, fcfs_end, _), (fair, fair_end, core) = runs["fcfs"], runs["fair"]
     assert {q: a.token_ids for q, a in fair.items()} == {q: a.token_ids for q, a in fcfs.items()}

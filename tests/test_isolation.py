@@ -87,7 +87,7 @@ def test_every_block_is_free_after_a_run(tiny_models, harness):
 def test_kv_capacity_overflow_ends_only_that_question(tiny_models, harness):
     model = tiny_models["llama"].kev
     capacity = 48
-    options = harness.tiny_options(kv_slot_capacity=capacity)
+    options = harness.tiny_options(capacity_tokens=capacity)
     greedy = dict(max_new_tokens=NEW_TOKENS, temperature=0.0)
     big = harness.Q("big", harness.random_prompt(random.Random(41), 40), greedy)  # 40 + 24 > 48
     small = neighbours(harness, 6, 42, max_len=capacity - NEW_TOKENS - 1)  # each fits with room to spare

@@ -136,7 +136,7 @@ def test_seed_000_example_runs_as_written(tmp_path):
 # -- in process, on the tiny random model ----------------------------------------------------------
 
 def greedy(**overrides):
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
 
     return tiny_options(defaults=Defaults(temperature=0.0, max_new_tokens=4), **overrides)
 
@@ -226,7 +226,7 @@ def test_from_config_builds_the_engine_the_file_describes(tmp_path, tiny_model_d
     config.write_text(f"core:\n  model_path: {tiny_model_dir}\nrouter:\n  max_parallel_queries: 3\n"
                       f"aggregator:\n  mode: priority\nsampling:\n  max_new_tokens: 2\n")
     with kev.Engine.from_config(config) as engine:
-        assert engine.options.max_batch_size == 3 and engine.aggregator_mode == "priority"
+        assert engine.options.max_parallel_queries == 3 and engine.aggregator_mode == "priority"
         results = engine.wait(engine.submit(["a", {"prompt": "b", "priority": 9}]), timeout=60)
     assert [r.slot for r in results] == [1, 0] and all(r.tokens <= 2 for r in results)
 

@@ -39,7 +39,7 @@ pytest_plugins = ["kafka_fixtures"]
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-OPTIONS = EngineOptions(max_batch_size=8, batch_window_ms=1, num_blocks=128, block_size=16, max_context=256)
+OPTIONS = EngineOptions(max_parallel_queries=8, batch_window_ms=1, num_blocks=128, block_size=16, max_context=256)
 SECRET = "Zanzibar-7731"  # in every prompt: it must never reach a log line unless log_prompts
 
 

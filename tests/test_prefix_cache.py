@@ -266,11 +266,12 @@ op_st = st.tuples(st.sampled_from(["add", "add", "add", "cancel", "eos", "step",
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op_st, min_size=1, max_size=60), num_blocks=st.integers(4, 14),
-       block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16), max_running=st.integers(1, 4),
+       block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16), max_parallel_queries=st.integers(1, 4),
        split_roles=st.booleans())
 def test_random_traffic_keeps_every_reference_exact_and_frees_every_block(ops, num_blocks, block_size, budget,
-                                                                        max_running, split_roles):
-    sched = make(num_blocks, block_size, max_tokens_per_step=budget + max_running, max_running=max_running,
+                                                                        max_parallel_queries, split_roles):
+    sched = make(num_blocks, block_size, max_tokens_per_step=budget + max_parallel_queries,
+                 max_parallel_queries=max_parallel_queries,
                  max_context=64, split_roles=split_roles, max_overtakes=3)
     prefixes = [list(range(500, 520)), list(range(600, 620)), [500, 501, 502, 503, 9, 9, 9, 9]]
     seqs: list[Sequence] = []

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from engine import Engine, EngineOptions
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 from kev_async.engine_actor import Cancel, Submit, UpdateDefaults, engine_actor
 from kev_async.runtime.actors import Mailbox, ask
 from kev_async.runtime.supervisor import Child, RestartPolicy, Supervisor
@@ -105,7 +105,7 @@ async def running(model, *, max_in_flight: int = 64, inbox: int = 64, **options)
     made = []
 
     def make() -> Engine:
-        made.append(Engine(model, EngineOptions(**{**dict(max_batch_size=32, batch_window_ms=0, num_blocks=256,
+        made.append(Engine(model, EngineOptions(**{**dict(max_parallel_queries=32, batch_window_ms=0, num_blocks=256,
                                                            block_size=16, max_context=512, defaults=Defaults()),
                                                    **options})))
         return made[-1]
@@ -198,7 +198,7 @@ async def test_a_crash_answers_the_questions_still_being_prepared(tiny):
     made = []
 
     def make() -> Engine:
-        engine = Engine(tiny, EngineOptions(max_batch_size=8, batch_window_ms=0, num_blocks=128, max_context=512,
+        engine = Engine(tiny, EngineOptions(max_parallel_queries=8, batch_window_ms=0, num_blocks=128, max_context=512,
                                             defaults=Defaults()))
         if not made:  # the first engine's device fails at its first step once `lost` is set
             step = engine.core.step

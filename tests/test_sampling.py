@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineOptions
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 
 NEW_TOKENS = 24
 

@@ -86,7 +86,7 @@ def test_fresh_prompts_get_one_full_chunk_each_and_exact_blocks():
 
 
 def test_admission_stops_at_max_running_and_resumes_when_one_ends():
-    sched = make(max_running=2)
+    sched = make(max_parallel_queries=2)
     a, b, c = question("a", 3, arrival=1), question("b", 3, arrival=2), question("c", 3, arrival=3)
     add(sched, a, b, c)
     plan = step(sched)
@@ -233,7 +233,7 @@ def test_a_deadline_ends_with_timeout_and_keeps_its_output():
 
 def test_a_waiting_question_past_its_deadline_times_out_without_running():
     clock = FakeClock(10.0)
-    sched = make(clock=clock, max_running=1)
+    sched = make(clock=clock, max_parallel_queries=1)
     a, b = question("a", 4, arrival=10.0), question("b", 4, arrival=10.0, deadline=10.2)
     add(sched, a, b)
     step(sched)
@@ -263,7 +263,7 @@ def test_cancel_ends_a_running_question_at_once():
 
 
 def test_cancel_of_a_waiting_question():
-    sched = make(max_running=1)
+    sched = make(max_parallel_queries=1)
     a, b = question("a", 3, arrival=1), question("b", 3, arrival=2)
     add(sched, a, b)
     step(sched)
@@ -422,7 +422,7 @@ def test_a_question_that_cannot_grow_preempts_itself_when_it_is_last():
 
 @pytest.mark.parametrize("policy", ["fcfs", "shortest_prompt_first", "priority"])
 def test_a_preempted_question_is_admitted_before_any_fresh_one(policy):
-    sched = make(num_blocks=4, block_size=4, max_running=2, policy=policy)
+    sched = make(num_blocks=4, block_size=4, max_parallel_queries=2, policy=policy)
     a, b = question("a", 7, arrival=1, max_new=3), question("b", 7, arrival=2)
     add(sched, a, b)
     step(sched)
@@ -483,7 +483,7 @@ def test_a_question_that_does_not_fit_lets_later_ones_go_a_bounded_number_of_tim
 
 
 def test_preemption_under_pressure_never_fails_the_batch():
-    sched = make(num_blocks=6, block_size=2, max_running=4)
+    sched = make(num_blocks=6, block_size=2, max_parallel_queries=4)
     seqs = [question(f"q{i}", 3 + i, arrival=i, max_new=6) for i in range(4)]
     add(sched, *seqs)
     ended = []
@@ -500,7 +500,7 @@ def test_preemption_under_pressure_never_fails_the_batch():
 
 # -- overflow policies ---------------------------------------------------------------------------------
 def test_reject_refuses_once_max_running_questions_are_present():
-    sched = make(max_running=2, overflow="reject")
+    sched = make(max_parallel_queries=2, overflow="reject")
     add(sched, question("a", 3, arrival=1), question("b", 3, arrival=2))
     with pytest.raises(Overloaded):
         sched.add(question("c", 3))
@@ -510,7 +510,7 @@ def test_reject_refuses_once_max_running_questions_are_present():
 
 
 def test_queue_refuses_once_max_waiting_are_waiting():
-    sched = make(max_running=1, max_waiting=2, overflow="queue")
+    sched = make(max_parallel_queries=1, max_waiting=2, overflow="queue")
     add(sched, question("a", 3, arrival=1), question("b", 3, arrival=2))
     assert not sched.has_room()
     with pytest.raises(Overloaded):
@@ -541,21 +541,21 @@ def test_a_prompt_that_cannot_fit_is_refused(limits, longest_ok):
 @pytest.mark.parametrize(("policy", "first"), [("fcfs", "old"), ("shortest_prompt_first", "short"),
                                                ("priority", "urgent")])
 def test_admission_policy_picks_the_expected_question(policy, first):
-    sched = make(max_running=1, policy=policy)
+    sched = make(max_parallel_queries=1, policy=policy)
     add(sched, question("short", 2, arrival=3), question("urgent", 9, arrival=2, priority=5),
         question("old", 6, arrival=1))
     assert [ch.seq.question_id for ch in step(sched).chunks] == [first]
 
 
 def test_priority_ties_are_broken_by_arrival():
-    sched = make(max_running=1, policy="priority")
+    sched = make(max_parallel_queries=1, policy="priority")
     add(sched, question("later", 2, arrival=2, priority=1), question("earlier", 2, arrival=1, priority=1))
     assert [ch.seq.question_id for ch in step(sched).chunks] == ["earlier"]
 
 
 def test_the_batch_window_waits_for_company_only_while_the_batch_is_empty_and_thin():
     clock = FakeClock(50.0)
-    sched = make(clock=clock, max_running=3, batch_window_s=0.010)
+    sched = make(clock=clock, max_parallel_queries=3, batch_window_s=0.010)
     assert sched.wait_time() is None
     sched.add(question("a", 3, arrival=50.0))
     assert sched.wait_time() == pytest.approx(0.010)
@@ -570,7 +570,7 @@ def test_the_batch_window_waits_for_company_only_while_the_batch_is_empty_and_th
 
 def test_a_full_batch_goes_at_once():
     clock = FakeClock(50.0)
-    sched = make(clock=clock, max_running=2, batch_window_s=0.010)
+    sched = make(clock=clock, max_parallel_queries=2, batch_window_s=0.010)
     sched.add(question("a", 3, arrival=50.0))
     assert sched.wait_time() > 0
     sched.add(question("b", 3, arrival=50.0))
@@ -580,7 +580,7 @@ def test_a_full_batch_goes_at_once():
 def test_the_window_closes_once_the_waiting_prompts_fill_a_step():
     # A step holds at most max_tokens_per_step tokens: a later arrival could not join it, so waiting is pure delay.
     clock = FakeClock(50.0)
-    sched = make(clock=clock, max_running=8, batch_window_s=0.010, max_tokens_per_step=10)
+    sched = make(clock=clock, max_parallel_queries=8, batch_window_s=0.010, max_tokens_per_step=10)
     sched.add(question("a", 6, arrival=50.0))
     assert sched.wait_time() == pytest.approx(0.010)
     sched.add(question("b", 4, arrival=50.0))
@@ -589,7 +589,7 @@ def test_the_window_closes_once_the_waiting_prompts_fill_a_step():
 
 def test_nothing_waits_while_something_runs():
     clock = FakeClock(50.0)
-    sched = make(clock=clock, max_running=4, batch_window_s=0.010)
+    sched = make(clock=clock, max_parallel_queries=4, batch_window_s=0.010)
     sched.add(question("a", 3, arrival=50.0))
     clock.advance(0.02)
     step(sched)
@@ -600,7 +600,7 @@ def test_nothing_waits_while_something_runs():
 
 # -- channels -------------------------------------------------------------------------------------------
 def test_running_questions_get_distinct_channels_recycled_when_they_end():
-    sched = make(max_running=3)
+    sched = make(max_parallel_queries=3)
     a, b, c, d = (question(q, 3, arrival=i) for i, q in enumerate("abcd"))
     add(sched, a, b, c, d)
     step(sched)
@@ -612,7 +612,7 @@ def test_running_questions_get_distinct_channels_recycled_when_they_end():
 
 
 def test_a_preempted_question_gives_back_its_channel():
-    sched = make(num_blocks=4, block_size=4, max_running=2)
+    sched = make(num_blocks=4, block_size=4, max_parallel_queries=2)
     a, b = question("a", 7, arrival=1, max_new=3), question("b", 7, arrival=2)
     add(sched, a, b)
     step(sched)
@@ -651,7 +651,7 @@ def check_ownership(sched: Scheduler) -> None:
     arrivals=st.lists(arrival_st, min_size=1, max_size=12),
     block_size=st.sampled_from([1, 2, 4]),
     pool_tokens=st.integers(10, 28),
-    max_running=st.integers(1, 5),
+    max_parallel_queries=st.integers(1, 5),
     extra_budget=st.integers(0, 12),
     max_context=st.integers(8, 40),
     capacity=st.none() | st.integers(8, 30),
@@ -663,12 +663,12 @@ def check_ownership(sched: Scheduler) -> None:
     rng=st.randoms(use_true_random=False),
 )
 def test_random_traffic_ends_every_question_once_and_leaks_no_block(
-        arrivals, block_size, pool_tokens, max_running, extra_budget, max_context, capacity, policy, overflow,
+        arrivals, block_size, pool_tokens, max_parallel_queries, extra_budget, max_context, capacity, policy, overflow,
         early_stop, length_aware, p_eos, rng):
     clock = FakeClock(0.0)
     num_blocks = -(-pool_tokens // block_size)
-    budget = max_running + extra_budget
-    sched = make(num_blocks, block_size, clock, max_running=max_running, max_tokens_per_step=budget,
+    budget = max_parallel_queries + extra_budget
+    sched = make(num_blocks, block_size, clock, max_parallel_queries=max_parallel_queries, max_tokens_per_step=budget,
                  max_context=max_context, capacity_tokens=capacity, policy=policy, overflow=overflow,
                  early_stop=early_stop, length_aware=length_aware, max_waiting=6)
     accepted: dict[str, Sequence] = {}

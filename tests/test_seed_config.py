@@ -180,7 +180,7 @@ def test_the_channel_pool_is_how_many_questions_a_worker_holds():
     seeded = EngineOptions.from_config(config_from_dict({"router": {"max_parallel_queries": 8,
                                                                     "channel_pool_size": 16}}))
     default = EngineOptions.from_config(config_from_dict({"router": {"max_parallel_queries": 8}}))
-    assert (seeded.max_batch_size, seeded.max_in_flight, default.max_in_flight) == (8, 16, 16)
+    assert (seeded.max_parallel_queries, seeded.max_in_flight, default.max_in_flight) == (8, 16, 16)
     assert EngineOptions.from_config(DEFAULT_CONFIG).max_in_flight == 64  # two batches of 32, as before
 
 

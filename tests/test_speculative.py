@@ -297,7 +297,7 @@ def test_sampled_tokens_after_a_draft_follow_the_targets_distribution(tiny_model
     seeds, temperature = 600, 0.5
     questions = [harness.Q(f"s{i}", prompt, dict(max_new_tokens=3, temperature=temperature, top_k=0, top_p=1.0,
                                                  seed=i)) for i in range(seeds)]
-    out = harness.run_core(tiny.kev, questions, harness.tiny_options(**SPEC, ngram_min=1, max_batch_size=64))
+    out = harness.run_core(tiny.kev, questions, harness.tiny_options(**SPEC, ngram_min=1, max_parallel_queries=64))
     assert sum(a.audit.drafted_tokens for a in out.answers.values()) > 0.9 * seeds  # t2 verified a draft
     seen = torch.bincount(torch.tensor([out.answers[q.qid].token_ids[1] for q in questions]),
                           minlength=harness.VOCAB).double()

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from engine import Engine, EngineOptions
-from engine.defaults import Defaults
+from engine.sampling_defaults import Defaults
 from kev_async.observe.metrics import Metrics
 from schemas import decode_question
 
@@ -35,7 +35,7 @@ def model(smollm2_tokenizer, harness):
 
 
 def options(**overrides) -> EngineOptions:
-    return EngineOptions(**{**dict(max_batch_size=8, batch_window_ms=5, num_blocks=128, block_size=16,
+    return EngineOptions(**{**dict(max_parallel_queries=8, batch_window_ms=5, num_blocks=128, block_size=16,
                                    max_context=256, defaults=Defaults()), **overrides})
 
 

@@ -37,7 +37,7 @@ class Admission:
         blocked: list[Sequence] = []  # waiting questions that did not fit this step
         in_flight = blocks_in_flight(running)
         for seq in self.sharing.lanes(waiting, running, self.limits.length_aware):
-            if (step.budget <= 0 or len(running) >= self.limits.max_running or not self.pool.num_free
+            if (step.budget <= 0 or len(running) >= self.limits.max_parallel_queries or not self.pool.num_free
                     or step.room.exhausted):
                 return
             if not self.admissible(seq, running, step.now) or not self.sharing.may_prefill(seq):

@@ -16,7 +16,7 @@ _CFG = DEFAULT_CONFIG
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_running: int = _CFG.router.max_parallel_queries  # questions in the batch at once
+    max_parallel_queries: int = _CFG.router.max_parallel_queries  # questions in the batch at once
     max_tokens_per_step: int = _CFG.scheduler.max_tokens_per_step  # prompt + decode tokens in one forward
     # While anyone decodes, a step's prompt rows cost at most this many fresh prompt tokens (step_budget.py)
     prompt_chunk_tokens: int = _CFG.scheduler.prompt_chunk_tokens

@@ -53,7 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.lingering: list[Sequence] = []  # finished but kept in the batch (early_stop=False)
         self._finished: list[Sequence] = []
-        self.channels = Channels(limits.max_running)
+        self.channels = Channels(limits.max_parallel_queries)
         self.sharing = Sharing(limits.tenants, limits.policy)  # fair share, quotas, the tenants' counts
         self.admission = Admission(pool, limits, self.sharing, self.channels, adapter_slot)
         self.costs = StepCost()  # measured forwards: prompt chunks while others decode, hopeless deadlines
@@ -83,8 +83,9 @@ class Scheduler:
         limit = self.max_tokens_per_question
         if seq.num_tokens >= limit:
             raise PromptTooLong(f"prompt has {seq.num_tokens} tokens; this engine allows at most {limit - 1}")
-        if self.limits.overflow == "reject" and len(self.running) + len(self.waiting) >= self.limits.max_running:
-            raise Overloaded(f"all {self.limits.max_running} channels are busy (overflow_policy=reject)")
+        channels = self.limits.max_parallel_queries
+        if self.limits.overflow == "reject" and len(self.running) + len(self.waiting) >= channels:
+            raise Overloaded(f"all {channels} channels are busy (overflow_policy=reject)")
         if self.limits.overflow != "wait" and not self.has_room():  # under "wait" the submitter is the bound
             raise Overloaded(f"the waiting queue is full ({self.limits.max_waiting} questions)")
         seq.status = Status.WAITING
@@ -119,7 +120,7 @@ class Scheduler:
         throttled = self.sharing.retry_in(self.waiting, now)
         if throttled > 0:
             return throttled
-        if len(self.waiting) >= self.limits.max_running or self._waiting_fill_a_step():
+        if len(self.waiting) >= self.limits.max_parallel_queries or self._waiting_fill_a_step():
             return 0.0  # company would not join this step: it is full already
         oldest = min(seq.arrival for seq in self.waiting)
         return max(0.0, oldest + self.limits.batch_window_s - now)
@@ -274,7 +275,7 @@ class Scheduler:
         """policy fair, every channel taken: a principal with waiting work, holding fewer channels than its
         share and served no more than the one holding the most per weight, takes one of its channels (its
         question cheapest to recompute) for its own next question."""
-        if not self.sharing.fair_policy or len(self.running) < self.limits.max_running:
+        if not self.sharing.fair_policy or len(self.running) < self.limits.max_parallel_queries:
             return
         channels = Counter(s.principal for s in self.running)
         for principal in self.sharing.hungry(self.waiting):

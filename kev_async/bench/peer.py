@@ -136,7 +136,7 @@ class KevSide:
         from engine.kv.cache import cache_dtype
 
         kv_bytes = model.spec.kv_bytes_per_token(cache_dtype("auto", model.dtype))
-        options = EngineOptions(max_batch_size=1, batch_window_ms=0, prefix_caching=False, speculative="off",
+        options = EngineOptions(max_parallel_queries=1, batch_window_ms=0, prefix_caching=False, speculative="off",
                                 max_context=max_tokens + 16, kv_budget_bytes=(max_tokens + 64) * kv_bytes,
                                 max_tokens_per_step=max(2048, max_tokens))
         self.core = EngineCore(model, options)

@@ -137,7 +137,7 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
     from engine.core import EngineCore
     from engine.kv.cache import cache_dtype
 
-    options = EngineOptions(max_batch_size=batch, batch_window_ms=0, kv_dtype=kv_dtype)
+    options = EngineOptions(max_parallel_queries=batch, batch_window_ms=0, kv_dtype=kv_dtype)
     # Rows prefilled early decode while later ones prefill: leave room for those tokens too.
     prefill_steps = -(-batch * context // options.max_tokens_per_step) + 2
     new_tokens = prefill_steps + 3 * steps + 8  # prefill, warm-up, timed and profiled steps

@@ -49,7 +49,7 @@ def _answer(args: argparse.Namespace, cfg, params: dict) -> int:
                        weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32,
                     matmul=cfg.core.matmul)
     options = EngineOptions.from_config(cfg, worker="kev-ask")
-    pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options)
+    pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_parallel_queries, options=options)
     questions = [QuestionEvent(question_id=f"q{i}", prompt=text, system=args.system)
                  for i, text in enumerate(args.questions)]
     prompts = {question.question_id: question.prompt for question in questions}

@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace, cfg, params: dict) -> int:
                        weights=cfg.core.weights, pack_fp32=cfg.core.pack_fp32, matmul=cfg.core.matmul)
     audit = bool(args.debug or args.picture or args.audit_log)
     options = EngineOptions.from_config(cfg, worker="kev-pipeline")
-    pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_batch_size, options=options,
+    pipe = IsolatedBatchPipeline(model, max_batch_size=options.max_parallel_queries, options=options,
                                  audit=audit or options.audit, debug=bool(args.per_token))
     questions = [QuestionEvent(question_id=f"q{i}", prompt=text, system=args.system)
                  for i, text in enumerate(args.questions)]

@@ -194,10 +194,10 @@ def record_demo_log(log_path: Path | str, model_name: str = DEFAULT_MODEL) -> No
     second prefill chunk (keys cached by forward 4) and q3's first chunk."""
     # torch is heavy: the engine loads here, for this picture only, never for `kev audit`
     from engine import EngineCore, EngineOptions, load_model
-    from engine.defaults import Defaults
+    from engine.sampling_defaults import Defaults
 
     model = load_model(model_name, device="cpu", dtype="fp32")
-    core = EngineCore(model, EngineOptions(audit=True, max_batch_size=8, max_tokens_per_step=32,
+    core = EngineCore(model, EngineOptions(audit=True, max_parallel_queries=8, max_tokens_per_step=32,
                                            batch_window_ms=0.0, defaults=Defaults()))
     arrivals = {0: [0, 1], 3: [2], 4: [3]}
     old = structlog.get_config()

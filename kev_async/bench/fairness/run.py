@@ -66,7 +66,7 @@ def _options(args, policy: str, scenario: Scenario) -> EngineOptions:
     tenants = {name: TenantConfig(weight=weight) for name, weight in scenario.weights.items()}
     steps = {name: getattr(args, name) for name in ("max_tokens_per_step", "prompt_chunk_tokens")
              if getattr(args, name, None) is not None}
-    return EngineOptions(max_batch_size=args.batch_size, policy=policy, tenants=tenants, **steps)
+    return EngineOptions(max_parallel_queries=args.batch_size, policy=policy, tenants=tenants, **steps)
 
 
 def _kafka_base(args) -> KevConfig:

@@ -127,7 +127,7 @@ def _add_system_flags(group) -> None:
 
 
 def _add_engine_flags(group) -> None:
-    group.add_argument("--kev-batch-size", type=int, default=32, help="Kev's max_batch_size (default 32)")
+    group.add_argument("--kev-batch-size", type=int, default=32, help="Kev's max_parallel_queries (default 32)")
     group.add_argument("--kv-mib", type=int, default=None, help="Kev's KV pool budget in MiB (default: the engine's)")
     group.add_argument("--max-tokens-per-step", type=int, default=None,
                        help="Kev's token budget per forward; longer prompts are prefilled in chunks (default: "

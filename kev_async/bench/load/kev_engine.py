@@ -15,7 +15,7 @@ from kev_async.bench.load.trace import TraceQuestion, question_event
 
 def run_engine(model, options, trace: list[TraceQuestion], name: str = "kev engine") -> SystemRun:
     outcomes = anyio.run(_engine_trace, model, options, trace)
-    return SystemRun(name, outcomes, {"max_batch_size": options.max_batch_size})
+    return SystemRun(name, outcomes, {"max_parallel_queries": options.max_parallel_queries})
 
 
 async def _engine_trace(model, options, trace: list[TraceQuestion]) -> list[Outcome]:

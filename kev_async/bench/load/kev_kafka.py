@@ -22,7 +22,7 @@ from schemas import AnswerDelta, KevConfig, decode_answer, encode
 def run_kafka(model, options, trace: list[TraceQuestion]) -> SystemRun:
     with quieted("warning"):  # the worker logs every answer at info: the table would drown
         outcomes = anyio.run(_kafka_trace, model, kafka_config(options), trace, backend="asyncio")  # aiokafka only
-    return SystemRun("kev via kafka", outcomes, {"max_batch_size": options.max_batch_size})
+    return SystemRun("kev via kafka", outcomes, {"max_parallel_queries": options.max_parallel_queries})
 
 
 def kafka_config(options) -> KevConfig:
@@ -32,7 +32,7 @@ def kafka_config(options) -> KevConfig:
                  **({"dtype": options.kv_dtype} if hasattr(options, "kv_dtype") else {}))
     isolation = replace(cfg.isolation, level="shared" if getattr(options, "prefix_caching", False) else "strict")
     return replace(cfg, metrics=replace(cfg.metrics, port=0), kv_cache=kv, isolation=isolation,
-                   router=replace(cfg.router, max_parallel_queries=options.max_batch_size))
+                   router=replace(cfg.router, max_parallel_queries=options.max_parallel_queries))
 
 
 READER_FETCH_WAIT_MS = 250

@@ -54,7 +54,7 @@ def engine_knobs(args: argparse.Namespace) -> tuple[dict, dict]:
     --deterministic (the engine's math mode) and --speculative to EngineOptions."""
     load_params = inspect.signature(load_model).parameters
     option_fields = {f.name for f in dataclasses.fields(EngineOptions)}
-    load_kwargs, option_kwargs = {}, {"max_batch_size": args.kev_batch_size}
+    load_kwargs, option_kwargs = {}, {"max_parallel_queries": args.kev_batch_size}
     if args.kv_mib:
         option_kwargs["kv_budget_bytes"] = args.kv_mib << 20
     if args.max_tokens_per_step:

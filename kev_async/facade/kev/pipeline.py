@@ -20,7 +20,7 @@ class IsolatedBatchPipeline(_KevPipeline):
         """Without `options`, the engine's knobs come from the config as `kev ask` reads them (defaults plus
         KEV_* environment): intake.unknown_fields among them."""
         options = options or EngineOptions.from_config(load_config(), worker="kev-python")
-        super().__init__(model, max_batch_size=max_batch_size or options.max_batch_size,
+        super().__init__(model, max_batch_size=max_batch_size or options.max_parallel_queries,
                          kv_slot_capacity=kv_slot_capacity,
                          early_stop=options.early_stop if early_stop is None else early_stop,
                          options=options, **option_overrides)
