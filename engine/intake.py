@@ -7,6 +7,8 @@ a huge prompt's chat template and tokenizer never hold up the device thread's ne
 
 from __future__ import annotations
 
+import msgspec
+
 from engine.adapters.files import AdapterError, LoraAdapter
 from engine.adapters.pool import AdapterPoolFull, LoraPool, UnknownAdapter
 from engine.prompt import encode_prompt
@@ -22,10 +24,12 @@ CHARS_PER_TOKEN = 8
 
 
 def prompt_chars(question: QuestionEvent) -> int:
-    """Characters the chat template will be given: the system text, the prompt or every message."""
+    """Characters the chat template will be given: the system text, the prompt or every message, and the
+    tools and calls as JSON."""
     parts = [question.system or "", question.prompt or ""]
     parts += [m.content for m in question.messages or ()]
-    return sum(len(p) for p in parts)
+    calls = [call for m in question.messages or () for call in m.tool_calls]
+    return sum(len(p) for p in parts) + sum(len(msgspec.json.encode(x)) for x in (*question.tools, *calls))
 
 
 def prepare_prompt(tokenizer, question: QuestionEvent, max_tokens: int) -> list[int]:

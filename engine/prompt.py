@@ -6,12 +6,15 @@ are never dropped silently, but dealt with as `intake.unknown_fields` says, as t
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import structlog
 
 from engine.unknown_fields import unknown_fields
-from schemas import Params, QuestionEvent
+from schemas import Message, Params, QuestionEvent
 from schemas.questions import MAX_UNKNOWN_FIELDS
+from schemas.tools import CalledFunction, tool_dict
 
 _QUESTION_KEYS = frozenset(QuestionEvent.__struct_encode_fields__)
 _PARAMS_KEYS = frozenset(Params.__struct_encode_fields__)
@@ -79,10 +82,47 @@ def chat_messages(question: QuestionEvent) -> list[dict]:
     if question.system:
         messages.append({"role": "system", "content": question.system})
     if question.messages:
-        messages += [{"role": m.role, "content": m.content} for m in question.messages]
+        messages += [_message_dict(m) for m in question.messages]
     else:
         messages.append({"role": "user", "content": question.prompt or ""})
     return messages
+
+
+def _message_dict(message: Message) -> dict:
+    """A message as chat templates read it; a call's arguments as an object (templates write them with
+    `tojson`: the JSON text OpenAI carries would come out quoted twice)."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": _arguments(call.function)}}
+                             for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(function: CalledFunction):
+    try:
+        return json.loads(function.arguments)
+    except ValueError:
+        raise ValueError(f"tool call {function.name!r}: its arguments are not JSON") from None
+
+
+def uses_tools(question: QuestionEvent) -> bool:
+    return bool(question.tools) or any(m.role == "tool" or m.tool_calls for m in question.messages or ())
+
+
+def tool_format_missing(tokenizer) -> str | None:
+    """Why this tokenizer's chat template cannot take tools, or None when it can: Kev reads Hermes-style
+    calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen2.5's and Qwen3's), so the template
+    must render `tools` and write calls that way."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):  # none, or one per name (a dict): none of them is known to be Hermes
+        return "the model has no chat template"
+    if "tools" not in template or "<tool_call>" not in template:
+        return ("the model's chat template has no tool-call format (Kev reads Hermes-style <tool_call> blocks, "
+                "as Qwen2.5's template writes them)")
+    return None
 
 
 def encode_prompt(tokenizer, question: QuestionEvent) -> list[int]:
@@ -91,8 +131,11 @@ def encode_prompt(tokenizer, question: QuestionEvent) -> list[int]:
     if question.raw:
         return list(tokenizer.encode(question.prompt or ""))
     messages = chat_messages(question)
+    if uses_tools(question) and (missing := tool_format_missing(tokenizer)):
+        raise ValueError(f"tools: {missing}")
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        tools = [tool_dict(tool) for tool in question.tools] or None
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

@@ -32,6 +32,7 @@ from schemas._validation import (
 from schemas.config import LimitsConfig
 from schemas.response_format import ResponseFormat, constraint_chars
 from schemas.samples import MAX_SAMPLES, MAX_TOP_LOGPROBS
+from schemas.tools import CallId, ToolCalls, Tools
 from schemas.wire import (
     ANY_DECODER,
     SCHEMA_VERSION,
@@ -54,9 +55,11 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Samples = Annotated[int, Meta(ge=1, le=MAX_SAMPLES)]
 
 
-class Message(Struct, frozen=True):
-    role: Literal["system", "user", "assistant"]
+class Message(Struct, frozen=True, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "tool"]
     content: Text
+    tool_calls: ToolCalls = ()  # an assistant's calls (schemas/tools.py)
+    tool_call_id: CallId | None = None  # a tool message: the call it answers
 
 
 class Params(Struct, frozen=True, omit_defaults=True):
@@ -90,6 +93,7 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     tenant: Id | None = None
     cache_salt: Id | None = None  # prefix cache scope within the tenant: only equal salts share a prefix
     system: Text | None = None
+    tools: Tools = ()  # functions the model may call, rendered by its chat template (schemas/tools.py)
     params: Params = Params()
     adapter: Id | None = None
     priority: Priority = 0  # higher first
@@ -302,9 +306,9 @@ def _check_prompt(question: QuestionEvent, max_prompt_chars: int) -> None:
         raise invalid("empty_prompt", "prompt: missing; give prompt or messages")
     if question.prompt is not None and question.messages is not None:
         raise invalid("invalid_field", "prompt, messages: give one of them, not both")
-    if question.raw and (question.messages is not None or question.system is not None):
+    if question.raw and (question.messages is not None or question.system is not None or question.tools):
         raise invalid("invalid_field", "raw: a raw prompt is continued as given; give prompt alone, "
-                                       "without messages or system")
+                                       "without messages, system or tools")
     if question.prompt is not None and not question.prompt.strip():
         raise invalid("empty_prompt", "prompt: empty" if not question.prompt else "prompt: only whitespace")
     if question.messages is not None and not any(m.content.strip() for m in question.messages):
