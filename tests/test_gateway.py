@@ -209,7 +209,7 @@ def test_greedy_n_2_is_a_400_naming_n(client):
     ({"model": MODEL}, 400, None),                                                       # no messages
     ({"model": MODEL, "messages": SEA, "temperature": -1}, 400, "temperature"),          # out of range
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2001}]}, 400, "messages"),  # too long
-    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
     ({"model": MODEL, "messages": SEA, "top_logprobs": 2}, 400, "top_logprobs"),         # without logprobs
     ({"model": MODEL, "messages": SEA, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "messages": SEA, "n": 17, "temperature": 1}, 400, "n"),

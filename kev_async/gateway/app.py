@@ -4,6 +4,7 @@
     POST /v1/query              (several questions, one result each: seed 002's API, query.py)
     GET  /v1/chat/completions/{id}   GET /v1/completions/{id}   (a restarted stream's whole answer)
     GET  /v1/models             GET  /health           GET  /metrics
+    /v1/files, /v1/batches      (the Batch API: batch_routes.py)
 
 An answer request is served in the order that costs a hostile client the least: the API key and the
 tenant's slot from the headers alone (401, 429), then the body, within gateway.body_read_timeout_ms
@@ -29,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kev_async.gateway.batch_routes import batch_routes
 from kev_async.gateway.bodies import CLOSE, ClientGone, read_body
 from kev_async.gateway.callers import Caller, new_question_id
 from kev_async.gateway.errors import HANDLERS, ApiError, internal_error
@@ -40,6 +42,7 @@ from kev_async.gateway.read_routes import health, json_response, kept_answer, me
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
 from kev_async.gateway.streaming import AnswerStream, watch_disconnect
+from kev_async.gateway.tools import with_tool_calls
 from schemas import AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.gateway")
@@ -59,6 +62,7 @@ def create_app(gateway: Gateway) -> ObserveRequests:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *batch_routes(),
     ]
     app = Starlette(routes=routes, exception_handlers=HANDLERS)
     app.state.gateway = gateway
@@ -209,6 +213,8 @@ async def _answer(gateway: Gateway, request: Request, kind: type[ChatRequest] | 
     shape = chat_completion if chat else text_completion
     body = shape(answers, id_=question_id, model=parsed.model, created=int(time.time()),
                  show_cached=not caller.anonymous)
+    if chat:
+        body = with_tool_calls(body, parsed)
     return json_response(body, headers={"x-request-id": question_id, **kev_headers(answers[0], audit=caller.audit)})
 
 

@@ -4,7 +4,8 @@ into Kev's QuestionEvent.
 Unknown fields are rejected, as OpenAI does ("Unrecognized request argument supplied"). Fields OpenAI
 has and Kev cannot honour (penalties, best_of, echo, tools, ...) are accepted only at their neutral
 value; anything else is a 400 naming the field, so a client never gets an answer that silently
-ignored what it asked for. The finished question goes through `decode_question`, the same gate a
+ignored what it asked for. `tools` and `tool_choice` are tools.py's, and the conversation's tool calls and
+tool messages travel as the question's own. The finished question goes through `decode_question`, the same gate a
 worker applies, so whatever a worker would refuse is refused here, before anything is published.
 `response_format` (chat and completions, as vLLM takes it) becomes the question's own, and
 `check_response_format` compiles its grammar text (no tokenizer) so a bad schema is a 400 too.
@@ -19,6 +20,7 @@ import msgspec
 from msgspec import Struct
 
 from kev_async.gateway.errors import ApiError, bad_request
+from kev_async.gateway.tools import question_fields, tool_use
 from schemas import InvalidQuestion, QuestionEvent, UndecodableEvent, decode_question
 from schemas.constraint import InvalidConstraint, check
 
@@ -95,9 +97,7 @@ _NEUTRAL = {
     "logit_bias": lambda v: not v,
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: not v,  # the deprecated spelling of tools: give `tools`
     "function_call": lambda v: v in (None, "none", "auto"),
     "reasoning_effort": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
@@ -128,6 +128,8 @@ def parse_request(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]
         value = getattr(request, field, None)
         if not neutral(value):
             raise bad_request(f"{field}={_shown(value)} is not supported by Kev", param=field, code="unsupported_value")
+    if isinstance(request, ChatRequest):
+        tool_use(request)  # a 400 now for malformed tools or a tool_choice naming none of them
     return request
 
 
@@ -145,6 +147,10 @@ def to_question(request: ChatRequest | CompletionRequest, *, question_id: str, t
         event["adapter"] = adapter
     if isinstance(request, ChatRequest):
         event["messages"] = [_message(i, m) for i, m in enumerate(request.messages)]
+        tools = question_fields(request)
+        if "response_format" in tools:
+            event["params"]["response_format"] = tools.pop("response_format")
+        event.update(tools)
     else:  # a plain continuation of the prompt, as OpenAI's and llama.cpp's /v1/completions are
         event["prompt"], event["raw"] = _prompt(request.prompt), True
     try:
@@ -193,15 +199,25 @@ def _logprobs(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
     return {"logprobs": True, "top_logprobs": request.logprobs}
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
     where = f"messages[{index}]"
-    if message.role in ("tool", "function") or message.tool_calls:
-        raise bad_request(f"{where}: tool and function messages are not supported by Kev", param=where,
-                          code="unsupported_value")
-    if message.content is None:
+    if message.role == "function":
+        raise bad_request(f"{where}: function messages (the deprecated form) are not supported by Kev; use tool "
+                          f"messages", param=where, code="unsupported_value")
+    if message.tool_calls and message.role != "assistant":
+        raise bad_request(f"{where}.tool_calls: only assistant messages make calls", param=f"{where}.tool_calls")
+    if message.role == "tool" and not message.tool_call_id:
+        raise bad_request(f"{where}.tool_call_id: missing: a tool message answers a call",
+                          param=f"{where}.tool_call_id", code="missing_required_parameter")
+    if message.content is None and not message.tool_calls:
         raise bad_request(f"{where}.content: missing", param=f"{where}.content")
     role = "system" if message.role == "developer" else message.role  # OpenAI's new name for the same thing
-    return {"role": role, "content": _text(message.content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": _text(message.content or "", f"{where}.content")}
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _text(content: str | list[dict[str, Any]], where: str) -> str:

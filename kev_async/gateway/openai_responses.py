@@ -112,8 +112,14 @@ class ChunkMaker:
     def text(self, text: str, index: int = 0, logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         return self._choice(index, {"content": text} if self.chat else text, None, logprobs)
 
-    def last(self, answer: AnswerEvent) -> dict[str, Any]:
-        return self._choice(answer.index, {} if self.chat else "", finish_reason(answer))
+    def delta(self, delta: dict[str, Any], index: int = 0,
+              logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
+        """A chat chunk of any delta: content, or tool_calls (tool_calls.py)."""
+        return self._choice(index, delta, None, logprobs)
+
+    def last(self, answer: AnswerEvent, reason: str | None = None,
+             logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
+        return self._choice(answer.index, {} if self.chat else "", reason or finish_reason(answer), logprobs)
 
     def usage(self, answers: list[AnswerEvent], *, show_cached: bool = True) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage(answers, show_cached=show_cached)}

@@ -13,11 +13,16 @@ A stream never splices two answers. It relays one worker attempt's deltas (repli
 was redelivered and the final answer does not begin with the text already sent, the stream ends with
 an OpenAI error event, code `stream_restarted`, and the whole answer is kept for
 `GET /v1/chat/completions/{id}` (kept_answers.py).
+
+A request with tools has its text read for `<tool_call>` blocks as it streams (tool_calls.py), and its
+response begins only with the first reply: a worker that refuses the tools (a chat template without a
+tool-call format) is a 400, not an error event inside a 200 stream.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import anyio
 import structlog
@@ -33,6 +38,8 @@ from kev_async.gateway.openai_requests import ChatRequest, CompletionRequest, wa
 from kev_async.gateway.openai_responses import SSE_DONE, ChunkMaker, audit_json, raise_for_error, sse
 from kev_async.gateway.replies import Pending
 from kev_async.gateway.state import Gateway
+from kev_async.gateway.tool_calls import StreamedCalls
+from kev_async.gateway.tools import tool_use
 from schemas import AnswerDelta, AnswerEvent, QuestionEvent
 
 log = structlog.get_logger("kev.gateway.streaming")
@@ -58,6 +65,8 @@ class AnswerStream:
         self.caller, self.arrived_ms, self.chat, self.model = caller, arrived_ms, chat, request.model
         self.include_usage = wants_usage_in_stream(request)
         self.chunks = ChunkMaker(chat=chat, id_=question.question_id, model=request.model, created=int(time.time()))
+        use = tool_use(request) if isinstance(request, ChatRequest) else None
+        self.calls = StreamedCalls(use.names, use.parallel) if use is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gateway, question_id = self.gateway, self.question.question_id
@@ -77,7 +86,7 @@ class AnswerStream:
                         left = True
 
                     tg.start_soon(hung_up)
-                    answered = await self._relay(pending, send)
+                    answered = await self._relay(pending, scope, receive, send)
                     tg.cancel_scope.cancel()
             finally:
                 if not answered:
@@ -87,8 +96,22 @@ class AnswerStream:
                 log.info("gateway.client_gone", status=CLIENT_GONE, path=scope.get("path"), question_id=question_id,
                          why=why, cancelled=not answered)
 
-    async def _relay(self, pending: Pending, send: Send) -> bool:
+    async def _relay(self, pending: Pending, scope: Scope, receive: Receive, send: Send) -> bool:
         """Send the stream; True once the answers arrived (a deadline passing first is reported in-stream)."""
+        events = pending.events()
+        first = None
+        if self.calls is not None or _has_tool_turns(self.question):
+            with anyio.move_on_after(self.wait_s):
+                first = await anext(events, None)
+            if first is None:
+                await self._timed_out().response()(scope, receive, send)
+                return False
+            if isinstance(first, AnswerEvent) and first.finish_reason == "error":
+                try:
+                    raise_for_error(first)
+                except ApiError as error:
+                    await error.response()(scope, receive, send)
+                return True
         headers = [*SSE_HEADERS, (b"x-request-id", self.question.question_id.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         for index in range(self.question.params.n):
@@ -97,13 +120,14 @@ class AnswerStream:
         sent: dict[int, list[str]] = {}  # sample -> its text sent
         answers = 0
         with anyio.move_on_after(self.wait_s):
-            async for event in pending.events():
+            async for event in _chained(first, events):
                 if isinstance(event, AnswerDelta):
                     if event.text or event.logprobs:  # an end token has a logprob and no text
                         if not sent:
                             self.gateway.metrics.first_byte.observe(time.perf_counter() - self.started)
                         sent.setdefault(event.index, []).append(event.text)
-                        await self._send(send, sse(self.chunks.text(event.text, event.index, event.logprobs)))
+                        if chunks := self._text_chunks(event):
+                            await self._send(send, chunks)
                     continue
                 if not await self._finish_sample(send, event, "".join(sent.get(event.index, ()))):
                     return True  # ended with an error event
@@ -111,9 +135,11 @@ class AnswerStream:
                 if pending.relayed_all(answers):
                     await self._finish(send, pending.ordered())
                     return True
-        timeout = ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
-        await self._send(send, sse(timeout.body()) + SSE_DONE, more=False)
+        await self._send(send, sse(self._timed_out().body()) + SSE_DONE, more=False)
         return False
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
 
     async def _finish_sample(self, send: Send, answer: AnswerEvent, sent: str) -> bool:
         """A sample's end: its tail and finish_reason; False when the stream ended with an error event."""
@@ -126,9 +152,21 @@ class AnswerStream:
             await self._send(send, sse(self._restarted(answer, sent).body()) + SSE_DONE, more=False)
             return False
         tail = answer.text[len(sent):]  # normally empty: the last delta carries the tail
+        if self.calls is not None:
+            pairs, logprobs, called = self.calls.end(answer.index, tail)
+            reason = "tool_calls" if called and answer.finish_reason == "stop" else None
+            await self._send(send, b"".join(sse(self.chunks.delta(d, answer.index, lp)) for d, lp in pairs) +
+                             sse(self.chunks.last(answer, reason, logprobs)))
+            return True
         await self._send(send, (sse(self.chunks.text(tail, answer.index)) if tail else b"") +
                          sse(self.chunks.last(answer)))
         return True
+
+    def _text_chunks(self, delta: AnswerDelta) -> bytes:
+        if self.calls is None:
+            return sse(self.chunks.text(delta.text, delta.index, delta.logprobs))
+        pairs = self.calls.feed(delta.index, delta.text, delta.logprobs)
+        return b"".join(sse(self.chunks.delta(d, delta.index, logprobs)) for d, logprobs in pairs)
 
     async def _finish(self, send: Send, answers: list[AnswerEvent]) -> None:
         out = b""
@@ -155,3 +193,16 @@ class AnswerStream:
 
     async def _send(self, send: Send, body: bytes, *, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": more})
+
+
+async def _chained(first: AnswerEvent | AnswerDelta | None, events: AsyncIterator[AnswerEvent | AnswerDelta]):
+    """The reply already read (if any), then the rest."""
+    if first is not None:
+        yield first
+    async for event in events:
+        yield event
+
+
+def _has_tool_turns(question: QuestionEvent) -> bool:
+    """Tool calls or tool messages in the conversation: a model without a tool format refuses them."""
+    return any(m.role == "tool" or m.tool_calls for m in question.messages or ())
