@@ -239,6 +239,7 @@ class KafkaConfig(_Section):
     dlq_topic: str = "kev.questions.dlq"
     intake_topic: str = "kev.questions.in"  # `kev route` reads here and re-publishes to questions_topic
     control_topic: str = "kev.control"
+    batches_topic: str = "kev.batches"  # the gateway's Batch API state, compacted (docs/gateway.md#batch-api)
     partitions: Positive = 4
     commit_interval_ms: Positive = 1000
     commit_every: Positive = 100
@@ -324,6 +325,12 @@ class GatewayConfig(_Section):
     # question cancelled and its slot freed.
     send_timeout_ms: Positive = 30_000
     max_prompt_chars: Positive = 200_000
+    # The Batch API (docs/gateway.md#batch-api): where its files live (None = "files" in Kev's cache directory),
+    # the largest upload and the most requests per file, and how many lines of all batches are asked at once.
+    files_dir: str | None = None
+    max_file_bytes: Positive = 50_000_000
+    max_batch_lines: Positive = 50_000
+    batch_in_flight: Positive = 16
 
 
 class AdaptersConfig(_Section):

@@ -55,7 +55,7 @@ from consumers.clients import fetch, open_consumer, open_producer
 from consumers.init_producer_id import InitProducerIdRequest
 from consumers.messages import Partition
 from consumers.record_guard import GuardedRecords
-from consumers.transactions import DeliveryUnavailable, choose_delivery
+from consumers.delivery_mode import DeliveryUnavailable, choose_delivery
 from schemas import AnswerEvent, decode_answer
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]

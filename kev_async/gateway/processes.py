@@ -49,6 +49,7 @@ log = structlog.get_logger("kev.gateway.processes")
 
 LISTEN_FD_ENV = "KEV_GATEWAY_LISTEN_FD"
 SLOTS_FD_ENV = "KEV_GATEWAY_SLOTS_FD"
+RUNS_BATCHES_ENV = "KEV_GATEWAY_RUNS_BATCHES"  # "1" in the one child that asks the Batch API's lines
 START_TIMEOUT_S = 60.0  # a child imports, connects to the brokers and makes its reply topic in a few seconds
 CHILD_DRAIN_S = 10.0  # a child's own drain deadline, as `kev gateway`'s
 # A child's whole stop: its drain, then the producer's flush and the reply topic's deletion (3 s).
@@ -130,7 +131,8 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
 async def _supervise(cfg: KevConfig, sock: socket.socket, table: SlotTable, index: int, shutdown: Any,
                      exits: list[str], *, task_status: TaskStatus) -> None:
     """Start child `index`, report it ready, then SIGTERM it (once) at shutdown; an early exit stops all."""
-    env = {**os.environ, LISTEN_FD_ENV: str(sock.fileno()), SLOTS_FD_ENV: str(table.fileno())}
+    env = {**os.environ, LISTEN_FD_ENV: str(sock.fileno()), SLOTS_FD_ENV: str(table.fileno()),
+           RUNS_BATCHES_ENV: "1" if index == 0 else "0"}
     process = await anyio.open_process(
         [sys.executable, "-m", "kev_async.gateway.processes"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=None, pass_fds=(sock.fileno(), table.fileno()), env=env, start_new_session=True)
@@ -203,7 +205,9 @@ async def _serve_child(cfg: KevConfig, sock: socket.socket, table: SlotTable, sh
                        task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_when_orphaned, shutdown)
-        running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock, slot_table=table))
+        runs_batches = os.environ.pop(RUNS_BATCHES_ENV, "1") == "1"
+        running = await tg.start(partial(run_gateway, cfg, shutdown, sock=sock, slot_table=table,
+                                         runs_batches=runs_batches))
         ready = GatewayChild(os.getpid(), running.reply_topic, running.model)
         sys.stdout.buffer.write(msgspec.json.encode(ready) + b"\n")
         sys.stdout.flush()

@@ -29,10 +29,13 @@ from consumers import EMBEDDED
 from consumers.clients import open_admin, open_producer
 from kev_async.gateway.app import create_app
 from kev_async.gateway.auth import Authenticator
+from kev_async.gateway.batch_store import BatchStore
+from kev_async.gateway.batches import Batches
 from kev_async.gateway.callers import TenantSlots
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
 from kev_async.gateway.connections import ConnectionLimits, limited_protocol
 from kev_async.gateway.exposure import check_exposure
+from kev_async.gateway.files import FileStore
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.publisher import QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
@@ -60,13 +63,14 @@ def reply_topic_name(instance: str | None = None) -> str:
 
 
 async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | None = None,
-                      slot_table: SlotTable | None = None,
+                      slot_table: SlotTable | None = None, runs_batches: bool = True,
                       task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve until `shutdown.requested` is set (a kev_async Shutdown, or anything with that Event).
 
     `sock`: a listening socket to accept on (one of `kev gateway --processes N`); else it listens on
     gateway.host and gateway.port itself. `slot_table`: the tenants' slots shared by all those processes;
-    else this process counts its own."""
+    else this process counts its own. `runs_batches`: whether this process asks the Batch API's lines (one
+    process of a fleet does; every one serves the batch routes from the batch topic)."""
     kafka = cfg.kafka
     if kafka.bootstrap_servers == EMBEDDED:
         raise ValueError("the gateway needs a running broker: set kafka.bootstrap_servers (or --bootstrap-servers) "
@@ -84,6 +88,10 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
                               slots)
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
+            store = BatchStore(kafka, kafka.batches_topic, producer)
+            gateway.batches = Batches(gateway, store, FileStore(cfg.gateway.files_dir), runs_batches=runs_batches)
+            await tg.start(store.run)
+            await tg.start(gateway.batches.run)
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
             url = socket_url(sock)
             log.info("gateway.ready", url=url, model=gateway.catalog.model, reply_topic=replies.topic,
@@ -95,7 +103,7 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
             task_status.started(GatewayRunning(url, replies.topic, gateway.catalog.model))
             # uvicorn returns once shutdown is requested and its requests finished (or their grace ran out).
             await http_stopped.wait()
-            tg.cancel_scope.cancel()  # the reply reader and the catalog
+            tg.cancel_scope.cancel()  # the reply reader, the catalog and the batches
     finally:
         await _delete_topic(kafka, replies.topic)
 

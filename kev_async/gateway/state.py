@@ -1,11 +1,12 @@
 """`Gateway`: what the routes and the streamed responses share (config, publisher, reply router, catalog,
-auth, metrics, per-tenant slots, the answers of restarted streams), the deadline a request's question
+auth, metrics, per-tenant slots, the answers of restarted streams, the Batch API), the deadline a request's question
 gets, and the one thread that compiles response_format grammars."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from starlette.requests import Request
@@ -20,6 +21,9 @@ from kev_async.gateway.openai_requests import check_response_format
 from kev_async.gateway.publisher import BrokerUnavailable, QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
 from schemas import KevConfig, QuestionEvent
+
+if TYPE_CHECKING:
+    from kev_async.gateway.batches import Batches
 
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the openai client's own timeout, in seconds
 # Compiling a big response_format takes tens of ms of CPU (an 81 KB schema: ~40 ms). With anyio's default
@@ -40,6 +44,7 @@ class Gateway:
     metrics: GatewayMetrics
     slots: TenantSlots = field(default=None)  # type: ignore[assignment]  # None: from cfg
     kept: KeptAnswers = field(default_factory=KeptAnswers)
+    batches: Batches | None = None  # the Batch API's state, files and runner (batches.py); set by the server
     # made on first use: it needs the running event loop
     _compiles: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
 
