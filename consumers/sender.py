@@ -34,7 +34,8 @@ from consumers.ledger import QuestionLedger
 from consumers.messages import Position
 from consumers.records import Record
 from consumers.reply_topics import ReplyTopics, UnusableReplyTopic
-from consumers.transactions import Deferred, Transaction, Transactions
+from consumers.partition_transaction import Deferred, Transaction
+from consumers.transactions import Transactions
 
 log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
 

@@ -2,10 +2,7 @@
 Kafka transaction.
 
 With `kafka.delivery: exactly_once` every questions partition a worker owns has a transactional
-producer of its own, `transactional_id` = "<group>/<topic>/<partition>". Starting it (InitProducerId)
-bumps that id's epoch: the partition's previous owner, dead or paused past its session, is fenced,
-and its open transaction aborted (KIP-98; aiokafka 0.14's `send_offsets_to_transaction` sends
-TxnOffsetCommit v0, without the group's generation, so KIP-447's fencing is not available).
+producer of its own that fences the partition's previous owner (consumers/partition_transaction.py).
 
 Everything that ends a question of the partition (its answer, an error answer, a dead letter) goes
 out in the partition's open transaction, and its settlement (the ledger, the offset tracker, the
@@ -27,98 +24,30 @@ Records of one transaction go to partition `source partition mod partitions` of 
 publisher's affinity), so each answers partition has one transactional writer: Tansu keeps a
 transaction whose records interleave with another open one's undecided, and the partition's last
 stable offset with it, until that one ends too; with several writers that went on for seconds.
-
-`probe(cfg)` says whether the broker can run a transactional producer at all (`kafka.delivery: auto`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import anyio
 import structlog
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import IllegalOperation, KafkaError
 
-from consumers.clients import producer_options, quietly
+from consumers.clients import STOP_TIMEOUT_S, producer_options, quietly
 from consumers.delivery import PublishFailed, short_error
 from consumers.messages import Partition
 from consumers.offsets import OffsetTracker
+from consumers.partition_transaction import Transaction, transactional_id
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.consumers.transactions")
 
 REVOKE_WAIT_S = 1.0  # on revocation, how long unacked records may hold the commit before the transaction aborts
 REDO_TRIES = 3  # a transaction whose records come back acked without an offset is sent again this often at most
-STOP_TIMEOUT_S = 5.0
-
-
-def transactional_id(group_id: str, partition: Partition) -> str:
-    """One per questions partition of a group: whoever owns the partition next fences its previous owner."""
-    return f"{group_id}/{partition.topic}/{partition.partition}"
-
-
-@dataclass
-class Deferred:
-    """An acked record's settlement, in three parts: `ready` before its transaction's offsets are taken (its
-    source positions are done), `settle` once the transaction committed (its question answered), `drop`
-    when it aborted instead (the question is this worker's no more)."""
-
-    ready: Callable[[], None]
-    settle: Callable[[], None]
-    drop: Callable[[], None]
-    again: Callable[[AIOKafkaProducer], Awaitable[asyncio.Future]]  # send it once more, to the same partition
-
-
-@dataclass
-class Transaction:
-    """One owned partition's transactional producer and the transaction it has open."""
-
-    partition: Partition
-    producer: AIOKafkaProducer
-    began: float | None = None  # monotonic time of the open transaction's first record; None: none open
-    records: int = 0  # sent into the open transaction
-    in_play: int = 0  # sent and not yet acked or replaced
-    deferred: list[Deferred] = field(default_factory=list)
-    gone: bool = False  # revoked or failed: nothing more goes into it
-    broken: bool = False  # a record of it was not published: abort, its PublishFailed ends the worker
-    unverified: bool = False  # a record was acked without an offset: it may not be in the log (see _redo)
-    closed: bool = False  # ended for good: a record acked from now on is settled never
-    lock: anyio.Lock = field(default_factory=anyio.Lock)  # one commit at a time
-    beginning: anyio.Lock = field(default_factory=anyio.Lock)
-    _open: anyio.Event = field(default_factory=anyio.Event)  # set while records may enter
-    _idle: anyio.Event = field(default_factory=anyio.Event)  # set when nothing is in play
-
-    def __post_init__(self) -> None:
-        self._open.set()
-        self._idle.set()
-
-    @property
-    def tid(self) -> str:
-        return self.producer._txn_manager.transactional_id
-
-    def settle_later(self, deferred: Deferred) -> None:
-        """An acked record's settlement, for the commit; dropped at once if the transaction has ended for good."""
-        if self.closed:
-            deferred.drop()
-        else:
-            self.deferred.append(deferred)
-
-    def leave(self) -> None:
-        """A record sent into this transaction was acked, replaced or given up."""
-        self.in_play -= 1
-        if self.in_play == 0:
-            self._idle.set()
-
-    async def drained(self, timeout: float = float("inf")) -> bool:
-        with anyio.move_on_after(timeout):
-            await self._idle.wait()
-        return self._idle.is_set()
 
 
 class Transactions:
@@ -313,16 +242,8 @@ class Transactions:
         if began is None:
             return {}  # positions settled without a record wait for the partition's next record (see `settled`)
         positions = {p: at for p, at in self.tracker.committable().items() if p == txn.partition}
-        producer = txn.producer
-        # Shielded: aiokafka ends a commit it has begun whoever stops waiting for it, and a caller cancelled
-        # mid-commit (the periodic committer at a graceful stop) left `began` set on a producer already READY:
-        # the stop's own commit then sent offsets outside any transaction (IllegalOperation) and exited 1.
-        with anyio.CancelScope(shield=True), anyio.fail_after(self.window_s):
-            if positions:
-                await producer.send_offsets_to_transaction(
-                    {TopicPartition(*p): at for p, at in positions.items()}, self.cfg.group_id)
-            await producer.commit_transaction()
-        self._reset(txn)
+        await txn.commit(positions, self.cfg.group_id, self.window_s)
+        txn.reset()
         for deferred in settled:
             deferred.settle()
         self.tracker.mark_committed(positions)
@@ -348,12 +269,7 @@ class Transactions:
             self.aborted += 1
             log.warning("transaction.redone", transactional_id=txn.tid, records=len(txn.deferred), attempt=attempt,
                         reason="a record was acknowledged without an offset")
-            with anyio.CancelScope(shield=True), anyio.fail_after(self.window_s):  # as the commit: no half-redo
-                await txn.producer.abort_transaction()
-                await txn.producer.begin_transaction()
-                pending = [await deferred.again(txn.producer) for deferred in txn.deferred]
-                acks = [await ack for ack in pending]
-            txn.unverified = any(ack.offset < 0 for ack in acks)
+            await txn.send_again(self.window_s)
         if txn.unverified:
             raise KafkaError(f"records acknowledged without an offset {REDO_TRIES} times over")
 
@@ -362,7 +278,7 @@ class Transactions:
         for deferred in txn.deferred:
             deferred.drop()
         had = txn.began is not None
-        self._reset(txn)
+        txn.reset()
         txn.gone = txn.closed = True  # its producer is not trusted any more; the partition's next owner starts afresh
         if had:
             self.aborted += 1
@@ -374,53 +290,3 @@ class Transactions:
                     await txn.producer.abort_transaction()
                 except (KafkaError, AssertionError) as error:
                     log.warning("transaction.abort_failed", transactional_id=txn.tid, error=short_error(error))
-
-    @staticmethod
-    def _reset(txn: Transaction) -> None:
-        txn.began, txn.records, txn.deferred = None, 0, []
-
-
-class DeliveryUnavailable(RuntimeError):
-    """kafka.delivery is exactly_once, and the broker does not run transactions."""
-
-
-async def choose_delivery(cfg: KafkaConfig, answers_bootstrap: str | None = None) -> tuple[str, str]:
-    """(at_least_once | exactly_once, why): kafka.delivery, with `auto` and `exactly_once` checked against the
-    broker (`probe`); raises DeliveryUnavailable when exactly_once is asked of a broker that cannot.
-    `answers_bootstrap`: where the answers go, when not to the questions' brokers (a transaction lives on one
-    cluster: its answers and the offsets of their questions cannot be on two)."""
-    if cfg.delivery == "at_least_once":
-        return "at_least_once", "configured"
-    if answers_bootstrap not in (None, cfg.bootstrap_servers):
-        split = f"answers go to {answers_bootstrap}, questions come from {cfg.bootstrap_servers}: one transaction " \
-                f"cannot hold both"
-        if cfg.delivery == "exactly_once":
-            raise DeliveryUnavailable(f"kafka.delivery is exactly_once, but {split}")
-        return "at_least_once", f"auto: {split}"
-    started = time.monotonic()
-    refused = await probe(cfg)
-    took = f"{(time.monotonic() - started) * 1000:.0f} ms"
-    if refused is None:
-        return "exactly_once", f"{cfg.delivery}: the broker started a transactional producer ({took})"
-    if cfg.delivery == "exactly_once":
-        raise DeliveryUnavailable(f"kafka.delivery is exactly_once, but the broker at {cfg.bootstrap_servers} "
-                                  f"does not run transactions: {refused}")
-    return "at_least_once", f"auto: the broker does not run transactions ({refused})"
-
-
-async def probe(cfg: KafkaConfig, timeout_s: float = 10.0) -> str | None:
-    """None when the broker starts a transactional producer (InitProducerId with a transactional id, its own
-    id each time, so concurrent probes do not fence one another); else why not. Writes no record."""
-    producer = AIOKafkaProducer(**producer_options(cfg, transactional_id=f"kev-probe-{uuid.uuid4().hex[:12]}",
-                                                   enable_idempotence=True))
-    try:
-        with anyio.fail_after(timeout_s):
-            await producer.start()
-        return None
-    except TimeoutError:
-        return f"no transactional producer within {timeout_s:g}s"
-    except Exception as error:  # noqa: BLE001 - any refusal means: not here
-        return short_error(error)
-    finally:
-        with anyio.move_on_after(STOP_TIMEOUT_S, shield=True):
-            await quietly(producer.stop(), "probe producer")

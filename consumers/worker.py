@@ -42,6 +42,7 @@ from consumers.broker import EMBEDDED
 from consumers.clients import open_consumer, open_producer
 from consumers.committer import Committer, RevocationListener
 from consumers.delivery import PublishFailed
+from consumers.delivery_mode import choose_delivery
 from consumers.intake import Intake
 from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
@@ -49,7 +50,7 @@ from consumers.offsets import OffsetTracker
 from consumers.publish_clock import PublishClock
 from consumers.publisher import Publisher
 from consumers.topics import ensure_topics
-from consumers.transactions import Transactions, choose_delivery
+from consumers.transactions import Transactions
 from schemas import KafkaConfig
 
 if sys.version_info < (3, 11):
