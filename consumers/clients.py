@@ -32,6 +32,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, RecordTooLargeError
+from aiokafka.structs import TopicPartition
 
 from consumers import init_producer_id, record_guard
 from consumers.security import client_options
@@ -86,11 +87,12 @@ async def open_admin(cfg: KafkaConfig, **options: Any) -> AsyncIterator[AIOKafka
             await quietly(admin.close(), "admin")
 
 
-async def fetch(consumer: AIOKafkaConsumer, *, timeout_ms: int, max_records: int | None = None) -> dict:
-    """`consumer.getmany`, where a record too large to fetch is logged (aiokafka has moved past it) and
-    the call returns nothing this time instead of raising."""
+async def fetch(consumer: AIOKafkaConsumer, *partitions: TopicPartition, timeout_ms: int,
+                max_records: int | None = None) -> dict:
+    """`consumer.getmany` (of `partitions`, else of every assigned one), where a record too large to fetch
+    is logged (aiokafka has moved past it) and the call returns nothing this time instead of raising."""
     try:
-        return await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        return await consumer.getmany(*partitions, timeout_ms=timeout_ms, max_records=max_records)
     except RecordTooLargeError as error:
         log.error("kafka.record_skipped", reason="larger than max_partition_fetch_bytes", error=str(error)[:500])
         return {}

@@ -19,8 +19,8 @@ Backpressure: above the inbox's high watermark every assigned partition is pause
 watermark they resume. Paused partitions are not fetched, so memory stays bounded.
 
 Read-ahead: at most `read_ahead` records of one partition are in flight (fetched, their outcome not yet
-acked); a fetch that brought more leaves the rest for later (the partition is sought back to the first
-of them and paused until an answer settles one of its records). So one principal's backlog in a
+acked); records a fetch brought past that are held (read_ahead.py) and go in as answers settle the
+partition's records, the partition left out of fetches meanwhile. So one principal's backlog in a
 partition takes a bounded share of what the engine holds, and the questions behind it, or on other
 partitions, reach the engine, whose scheduler picks among them (policy fair: the least-served principal).
 Offsets are still committed only up to the last contiguous settled record (offsets.py).
@@ -47,6 +47,7 @@ from consumers.messages import Inbound, Position, QuestionKey
 from consumers.offsets import OffsetTracker
 from consumers.publish_clock import PublishClock
 from consumers.publisher import Publisher
+from consumers.read_ahead import ReadAhead
 from consumers.record_guard import printable_headers, unreadable
 from consumers.trust import QuestionGate
 from schemas import (
@@ -62,6 +63,8 @@ from schemas import (
 from schemas.signing import QUESTION, Verification
 
 log = structlog.get_logger("kev.consumers.intake")
+
+COUNTS = ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_held")  # Intake.counts
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,13 @@ class Intake:
         self.questions_out = questions_out
         self.watermarks = watermarks
         self.max_records = max_records
-        self.read_ahead = read_ahead
+        self.window = ReadAhead(tracker, read_ahead)
         self.poll_timeout_ms = poll_timeout_ms
         self.gate = QuestionGate(trust)
         self.reply_topic_pattern = re.compile(trust.reply_topic_pattern)
         self.limits = limits
         self.clock = clock or PublishClock(None, head_records=max_records)
-        self.counts = {"records": 0, "questions": 0, "duplicates": 0, "pauses": 0, "resumes": 0,
-                       "read_ahead_pauses": 0}
-        self.fetched_at = 0.0  # time.time() when the batch being handled came back from the broker
+        self.counts = dict.fromkeys(COUNTS, 0)
 
     async def run(self) -> None:
         """Consume until cancelled or the engine closes its inbox; closes `questions_out` on the way out."""
@@ -121,34 +122,56 @@ class Intake:
                 log.warning("engine_inbox_closed")
 
     async def _poll_once(self) -> None:
+        self.window.rearm(self.listener.epoch)
+        await self._take_held()
         used = self._apply_backpressure()
         # Fetch no more than the inbox has room for, so a send rarely waits on a slow engine.
         room = max(1, min(self.max_records, self.watermarks.high - used))
-        batch = await fetch(self.consumer, timeout_ms=self.poll_timeout_ms, max_records=room)
+        batch = await self._fetch(room)
         self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
-        self.fetched_at = time.time()
+        fetched_at = time.time()  # the stamp `kev bench kafka --profile` ends the fetch stage at
         epoch = self.listener.epoch
         for partition, records in batch.items():
             for record in records:
                 if self.listener.epoch != epoch:
                     return  # a rebalance reset positions: the rest is fetched again from the commit point
-                if not self._has_room(partition):
-                    self._read_later(partition, record.offset)
-                    break
-                await self._handle(record)
+                if self.window.admits(partition):
+                    await self._handle(record, fetched_at)
+                else:
+                    self.window.hold(record, fetched_at, epoch)
+                    self.counts["read_ahead_held"] += 1
 
-    def _has_room(self, partition: TopicPartition) -> bool:
-        """Whether `partition` has fewer than `read_ahead` records in flight."""
-        return self.read_ahead is None or self.tracker.in_flight_at(partition) < self.read_ahead
+    async def _take_held(self) -> None:
+        """Hand in the held records whose partitions have room now."""
+        epoch = self.listener.epoch
+        for record, fetched_at in self.window.ready():
+            if self.listener.epoch != epoch:
+                return  # the next poll drops them: their partitions are read again
+            await self._handle(record, fetched_at)
 
-    def _read_later(self, partition: TopicPartition, offset: int) -> None:
-        """Leave `partition`'s records from `offset` on for a later fetch, once its window has room."""
-        self.consumer.seek(partition, offset)
-        if partition not in self.consumer.paused():
-            self.consumer.pause(partition)
-            self.counts["read_ahead_pauses"] += 1
+    async def _fetch(self, room: int) -> dict:
+        """The next records of the partitions holding none; while some are held, cut short when an answer
+        makes room for one. A holding partition's next records stay in aiokafka's buffer, which it does not
+        fetch past until they are taken: one fetch ahead, and no broker round trip when they are due."""
+        holding = self.window.holding()
+        if not holding:
+            return await fetch(self.consumer, timeout_ms=self.poll_timeout_ms, max_records=room)
+        others = self.consumer.assignment() - holding
+        batch = {}
+        with anyio.move_on_after(self.poll_timeout_ms / 1000):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_when_set, self.window.freed, tg.cancel_scope)
+                if others:  # aiokafka takes records off its buffer only after its wait: a cancel loses none
+                    batch = await fetch(self.consumer, *others, timeout_ms=self.poll_timeout_ms, max_records=room)
+                    tg.cancel_scope.cancel()
+        return batch
 
-    async def _handle(self, record: ConsumerRecord) -> None:
+    def settled(self, positions: Sequence[Position]) -> None:
+        """Answers settled these records: a held record of their partitions may go in."""
+        for position in positions:
+            self.window.settled(TopicPartition(position.topic, position.partition))
+
+    async def _handle(self, record: ConsumerRecord, fetched_at: float) -> None:
         position = Position(record.topic, record.partition, record.offset)
         self.tracker.track(position.partition_key, record.offset)
         self.counts["records"] += 1
@@ -187,7 +210,7 @@ class Intake:
                 inbound = Inbound(question, record.topic, record.partition, record.offset, time.monotonic(),
                                   published_ms=published_ms, principal=asker.principal)
                 # Stage stamps for `kev bench kafka --profile` (debug: free at the default level).
-                bound.debug("question_taken", question_id=question.question_id, fetched_at=self.fetched_at)
+                bound.debug("question_taken", question_id=question.question_id, fetched_at=fetched_at)
                 await self.questions_out.send(inbound)
 
     def _lag(self, record: ConsumerRecord) -> int | None:
@@ -244,24 +267,22 @@ class Intake:
         return False
 
     def _apply_backpressure(self) -> int:
-        """Pause every partition while the inbox is above its watermark, else those at their read-ahead
-        window; resume the others. Returns the inbox's depth."""
+        """Pause every partition while the inbox is above its watermark; resume them below it. Returns
+        the inbox's depth."""
         used = self.questions_out.statistics().current_buffer_used
-        was_full = self.watermarks.paused
-        inbox_full = self.watermarks.update(used)
-        assigned = self.consumer.assignment()
-        hold = set(assigned) if inbox_full else {tp for tp in assigned if not self._has_room(tp)}
-        paused = self.consumer.paused()
-        if pause := hold - paused:
-            self.consumer.pause(*pause)
-            if inbox_full:
+        if self.watermarks.update(used):
+            unpaused = self.consumer.assignment() - self.consumer.paused()
+            if unpaused:
+                self.consumer.pause(*unpaused)
                 self.counts["pauses"] += 1
-                log.info("partitions_paused", partitions=len(pause), inbox=used)
-            else:
-                self.counts["read_ahead_pauses"] += 1
-        if resume := paused - hold:
-            self.consumer.resume(*resume)
-            if was_full and not inbox_full:
-                self.counts["resumes"] += 1
-                log.info("partitions_resumed", partitions=len(resume), inbox=used)
+                log.info("partitions_paused", partitions=len(unpaused), inbox=used)
+        elif paused := self.consumer.paused():
+            self.consumer.resume(*paused)
+            self.counts["resumes"] += 1
+            log.info("partitions_resumed", partitions=len(paused), inbox=used)
         return used
+
+
+async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -43,7 +43,7 @@ from consumers.clients import open_consumer, open_producer
 from consumers.committer import Committer, RevocationListener
 from consumers.delivery import PublishFailed
 from consumers.delivery_mode import choose_delivery
-from consumers.intake import Intake
+from consumers.intake import COUNTS as INTAKE_COUNTS, Intake
 from consumers.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
 from consumers.offsets import OffsetTracker
@@ -82,7 +82,7 @@ class KafkaStatistics:
     commits: int
     pauses: int  # every partition paused: the engine's inbox was full
     resumes: int
-    read_ahead_pauses: int = 0  # a partition paused at its read-ahead window (kafka.read_ahead)
+    read_ahead_held: int = 0  # records fetched past their partition's window, held until it had room
     abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
     clock_skew_ms: float = 0.0  # the latest apparent skew of a producer's clock at a partition's head (publish_clock.py)
     untrusted_timestamps: int = 0  # fresh questions whose stamp was older than their timeout: timed from arrival
@@ -229,8 +229,7 @@ class KafkaWorker:
         await self._assigned.wait()
 
     def statistics(self) -> KafkaStatistics:
-        intake = self._intake.counts if self._intake else dict.fromkeys(
-            ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_pauses"), 0)
+        intake = self._intake.counts if self._intake else dict.fromkeys(INTAKE_COUNTS, 0)
         published = self._publisher.counts if self._publisher else dict.fromkeys(
             ("answers", "error_answers", "deltas", "dead_letters", "abandoned"), 0)
         consumer, committer = self.consumer, self.committer
@@ -280,6 +279,8 @@ class KafkaWorker:
         for position in positions:
             self.tracker.done(position.partition_key, position.offset)
         self.committer.settled(len(positions))
+        if self._intake is not None:
+            self._intake.settled(positions)  # room in a read-ahead window: a held record goes in
 
 
 async def run_kafka_io(

@@ -1,8 +1,9 @@
 """`kev bench peer`: one question alone, Kev in process against a running llama-server, side by side.
 
 Two numbers a user choosing a CPU server compares: how fast one question decodes (ms per generated
-token) and how fast one long prompt prefills (tokens/s). Both sides get the same prompt token ids and
-answer greedily; Kev runs in this process on the same weights and dtype as the server's GGUF.
+token) and how fast one long prompt prefills (tokens/s), and the memory each process holds. Both sides get
+the same prompt token ids and answer greedily; Kev runs in this process on the very GGUF file the server
+loads (its quantized matrices kept as stored), or on the weights the server's GGUF was converted from.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import statistics
 import sys
 import time
 
-import httpx
-
 from kev_async.bench.arguments import positive_int
+from kev_async.bench.llama_server import LlamaServer, PeerError
 from kev_async.bench.load.texts import PASSAGES
 from kev_async.bench.machine import cpu_name
 from kev_async.sample_questions import QUESTIONS
@@ -32,27 +32,32 @@ One question alone, Kev against a running llama-server (https://github.com/ggml-
            slice every repeat), one token asked for. Kev: prompt tokens / its time to first token
            (prefix cache off). llama.cpp: timings.prompt_per_second, sent with cache_prompt false.
 
-Both sides get the prompt as the same token ids (llama-server's /completion), and the two alternate
-within each repeat so a busy machine slows both alike. Printed: the medians of --repeats, each ratio
-as Kev's speed over llama.cpp's (above 1: Kev is faster), the CPU, and whether the greedy tokens match.
+Both sides get the prompt as the same token ids (llama-server's /completion; its /tokenize must make
+those very ids of the prompts' text, or the run stops: it is serving another model), and the two alternate
+within each repeat so a busy machine slows both alike. Kev's KV pool holds as many tokens as the server's
+context (/props n_ctx). Printed: the medians of --repeats, each ratio as Kev's speed over llama.cpp's
+(above 1: Kev is faster), the CPU, how many greedy tokens match before the answers part (quantized
+weights: the two sides round differently), and each process's peak and current resident memory
+(/proc/PID/status VmHWM and VmRSS; the server's when it listens on this host).
 
-Start the server on the GGUF converted from the same weights, in the dtype given to --dtype, e.g.
-  llama-server -m smollm2-f32.gguf -np 1 -t 2 --port 8081
-and give it --threads 2 here (docs/speed.md, "The llama.cpp peer", says how to build it and make the GGUF).
+Give --model the GGUF file the server runs, e.g.
+  llama-server -m qwen2.5-coder-0.5b-instruct-q4_k_m.gguf -np 1 -c 4096 -t 2 --port 8081
+  kev bench peer --url http://127.0.0.1:8081 --model qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 2
+or Kev's model directory with the server on its F32/BF16 conversion in the --dtype given here
+(docs/speed.md, "The llama.cpp peer", says how to build llama-server and make the GGUF).
 """
-
-
-class PeerError(RuntimeError):
-    """The server at --url cannot be measured; the message says why."""
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
     peer = kinds.add_parser("peer", help="one question's decode and one prompt's prefill, Kev against llama-server",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     peer.add_argument("--url", required=True, help="the running llama-server, e.g. http://127.0.0.1:8081")
-    peer.add_argument("--model", default=DEFAULT_MODEL, help="Kev's model: the weights the server's GGUF came from")
+    peer.add_argument("--model", default=DEFAULT_MODEL,
+                      help="Kev's model: the .gguf file the server loads, or the weights its GGUF came from")
     peer.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                      help="Kev's precision; give the server the GGUF of the same (default fp32)")
+                      help="Kev's compute precision; for a converted GGUF give the server that dtype (default fp32)")
+    peer.add_argument("--weights", choices=("auto", "full", "int8"), default="auto",
+                      help="Kev's weights: auto keeps a GGUF's block formats as stored (default auto)")
     peer.add_argument("--threads", type=int, default=None,
                       help="Kev's torch threads; match the server's -t (default: all cores, at most 16)")
     peer.add_argument("--repeats", type=positive_int("repeats"), default=5, help="runs per side; medians (default 5)")
@@ -72,74 +77,30 @@ def _cli(args: argparse.Namespace) -> int:
         server = LlamaServer(args.url, timeout_s=args.timeout)
         info = server.props()  # unreachable or not llama-server: say so before loading anything
         set_threads(args.threads)
-        model = load_model(args.model, device="cpu", dtype=args.dtype)
+        model = load_model(args.model, device="cpu", dtype=args.dtype, weights=args.weights)
         bench_peer(model, server, info=info, repeats=args.repeats, new_tokens=args.new_tokens,
                    prompt_tokens=args.prompt_tokens)
-    except PeerError as exc:
+    except (PeerError, ValueError) as exc:
         print(f"kev bench peer: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-class LlamaServer:
-    """llama-server's own endpoints: /props for what it serves, /completion for token-id prompts and `timings`."""
-
-    def __init__(self, url: str, timeout_s: float = 600.0):
-        url = url.rstrip("/").removesuffix("/v1")
-        if not url.startswith(("http://", "https://")):
-            raise PeerError(f"--url {url!r}: give an http:// or https:// URL, e.g. http://127.0.0.1:8081")
-        self.url = url
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
-
-    def props(self) -> dict:
-        response = self._call("GET", "/props")
-        return response.json() if response.status_code == 200 else {}
-
-    def complete(self, prompt_ids: list[int], n_predict: int, *, ignore_eos: bool = True) -> tuple[list[int], dict]:
-        """Greedy tokens and llama.cpp's `timings` for one token-id prompt, nothing reused from a cache."""
-        body = {"prompt": prompt_ids, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "ignore_eos": ignore_eos, "return_tokens": True, "stream": False}
-        response = self._call("POST", "/completion", json=body)
-        if response.status_code != 200:
-            raise PeerError(f"{self.url}/completion answered HTTP {response.status_code}: {response.text[:300]!r} "
-                            "(is it llama-server?)")
-        try:
-            data = response.json()
-        except ValueError:
-            raise PeerError(f"{self.url}/completion answered something that is not JSON: {response.text[:200]!r}") \
-                from None
-        timings = data.get("timings") if isinstance(data, dict) else None
-        wanted = ("prompt_n", "prompt_per_second", "predicted_n", "predicted_per_token_ms")
-        if not isinstance(timings, dict) or any(key not in timings for key in wanted):
-            raise PeerError(f"{self.url}/completion answered without llama-server's `timings` "
-                            f"({', '.join(wanted)}): this benchmark needs llama-server")
-        if timings["prompt_n"] < len(prompt_ids):
-            raise PeerError(f"llama-server computed {timings['prompt_n']} of {len(prompt_ids)} prompt tokens "
-                            "(it reused a cache): its prefill speed would be wrong")
-        return list(data.get("tokens") or []), timings
-
-    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        try:
-            return self.client.request(method, self.url + path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise PeerError(f"cannot reach {self.url}{path}: {exc!r}; start llama-server first, e.g. "
-                            "llama-server -m smollm2-f32.gguf -np 1 -t 2 --port 8081") from None
 
 
 class KevSide:
     """One EngineCore holding one question at a time: EOS ignored, no prefix cache, no speculation, no
     batching window (nothing else could join anyway)."""
 
-    def __init__(self, model, max_tokens: int):
+    def __init__(self, model, max_tokens: int, kv_tokens: int = 0):
         from engine import EngineOptions
         from engine.core import EngineCore
         from engine.kv.cache import cache_dtype
 
         kv_bytes = model.spec.kv_bytes_per_token(cache_dtype("auto", model.dtype))
         options = EngineOptions(max_parallel_queries=1, batch_window_ms=0, prefix_caching=False, speculative="off",
-                                max_context=max_tokens + 16, kv_budget_bytes=(max_tokens + 64) * kv_bytes,
+                                max_context=max_tokens + 16, kv_budget_bytes=max(kv_tokens, max_tokens + 64) * kv_bytes,
                                 max_tokens_per_step=max(2048, max_tokens))
         self.core = EngineCore(model, options)
+        self.kv_tokens = self.core.pool.num_blocks * self.core.block_size
         self.core.stop_token_ids = ()  # the answer runs its whole budget, as llama-server's ignore_eos
         self.asked = 0
 
@@ -182,45 +143,79 @@ def decode_prompt(model) -> list[int]:
     return encode_prompt(model.tokenizer, QuestionEvent(question_id="peer-decode", prompt=QUESTIONS[0]))
 
 
+def passages_text() -> str:
+    return "\n\n".join(PASSAGES)
+
+
 def prefill_prompts(model, tokens: int, count: int) -> list[list[int]]:
     """`count` prompts of exactly `tokens` token ids, each a different slice of the passages."""
-    corpus = model.tokenizer.encode("\n\n".join(PASSAGES), add_special_tokens=False)
+    corpus = model.tokenizer.encode(passages_text(), add_special_tokens=False)
     ring = corpus * (2 + tokens // len(corpus))
     return [ring[(i * 173) % len(corpus):][:tokens] for i in range(count)]
+
+
+def check_same_tokens(model, server: LlamaServer, short: list[int]) -> dict[str, int]:
+    """The ids Kev sends must be the ids llama-server makes of the same text; a server whose tokenizer
+    makes others is serving another model, and its speeds would not compare. Returns each text's length."""
+    texts = {"the chat prompt": (model.tokenizer.decode(short, clean_up_tokenization_spaces=False), short),
+             "the prefill passages": (passages_text(), model.tokenizer.encode(passages_text(),
+                                                                               add_special_tokens=False))}
+    for name, (text, ours) in texts.items():
+        theirs = server.tokenize(text)
+        if theirs != ours:
+            at = _same_prefix(theirs, ours)
+            raise PeerError(f"llama-server tokenizes {name} otherwise than Kev's tokenizer does (token {at} of "
+                            f"{len(ours)}: kev {ours[at:at + 3]}, llama-server {theirs[at:at + 3]}): start it on "
+                            "the same model as --model")
+    return {name: len(ours) for name, (_, ours) in texts.items()}
 
 
 def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats: int = 5, new_tokens: int = 128,
                prompt_tokens: int = 1000, out=print) -> dict:
     import torch
 
+    from kev_async.bench.process_memory import resident_mib
+
+    info = info or {}
     short = decode_prompt(model)
     long_prompts = prefill_prompts(model, prompt_tokens, repeats + 1)  # the first one warms up
-    kev = KevSide(model, max(prompt_tokens + 1, len(short) + new_tokens))
+    server_context = (info.get("default_generation_settings") or {}).get("n_ctx") or 0
+    kev = KevSide(model, max(prompt_tokens + 1, len(short) + new_tokens), kv_tokens=server_context)
     for warm_up in (kev.decode, server.complete):  # first-call allocations, on both sides
         warm_up(short, 4)
     kev.prefill(long_prompts[0])
     server.complete(long_prompts[0], 1)
+    checked = check_same_tokens(model, server, short)
+    runs, tokens = _alternate(kev, server, short, long_prompts[1:], new_tokens)
+    result = {name: statistics.median(values) for name, values in runs.items()}
+    pid = server.local_pid()
+    result.update(runs=runs, same=_same_prefix(tokens["kev"][0], tokens["llama"][0]), new_tokens=new_tokens,
+                  steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]), checked=checked,
+                  kv_tokens=kev.kv_tokens, kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
+    _report(model, info, result, repeats, prompt_tokens, torch.get_num_threads(), out)
+    return result
+
+
+def _alternate(kev: KevSide, server: LlamaServer, short: list[int], long_prompts: list[list[int]],
+               new_tokens: int) -> tuple[dict, dict]:
+    """One decode and one prefill per side per repeat, the side that goes first swapping every repeat."""
     runs = {"kev decode": [], "llama decode": [], "kev prefill": [], "llama prefill": []}
     tokens = {"kev": [], "llama": []}
-    for r in range(repeats):
+    for r, long_prompt in enumerate(long_prompts):
         for side in (("kev", "llama") if r % 2 == 0 else ("llama", "kev")):
             if side == "kev":
                 ms, ids = kev.decode(short, new_tokens)
-                runs["kev prefill"].append(kev.prefill(long_prompts[r + 1]))
+                runs["kev prefill"].append(kev.prefill(long_prompt))
             else:
                 ids, timings = server.complete(short, new_tokens)
                 if timings["predicted_n"] < new_tokens:
                     raise PeerError(f"llama-server generated {timings['predicted_n']} of {new_tokens} tokens: "
                                     "give each slot room (start it with -np 1)")
                 ms = timings["predicted_per_token_ms"]
-                runs["llama prefill"].append(server.complete(long_prompts[r + 1], 1)[1]["prompt_per_second"])
+                runs["llama prefill"].append(server.complete(long_prompt, 1)[1]["prompt_per_second"])
             runs[f"{side} decode"].append(ms)
             tokens[side].append(ids)
-    result = {name: statistics.median(values) for name, values in runs.items()}
-    result.update(runs=runs, same=_same_prefix(tokens["kev"][0], tokens["llama"][0]), new_tokens=new_tokens,
-                  steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]))
-    _report(model, info or {}, result, repeats, prompt_tokens, torch.get_num_threads(), out)
-    return result
+    return runs, tokens
 
 
 def _same_prefix(a: list[int], b: list[int]) -> int:
@@ -229,9 +224,11 @@ def _same_prefix(a: list[int], b: list[int]) -> int:
 
 def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, threads: int, out) -> None:
     out(f"machine: {cpu_name()}")
-    out(f"kev: {model.name} ({model.dtype}), torch threads {threads}")
+    out(f"kev: {model.name} ({model.weight_format} weights, {model.dtype} compute), torch threads {threads}, "
+        f"KV pool {r['kv_tokens']:,} tokens")
     out(f"llama.cpp: {info.get('model_path', '?')}, build {info.get('build_info', '?')}, "
-        f"{info.get('total_slots', '?')} slot(s), threads as its -t")
+        f"{info.get('total_slots', '?')} slot(s), context "
+        f"{(info.get('default_generation_settings') or {}).get('n_ctx', '?')}, threads as its -t")
     decode_ratio, prefill_ratio = r["llama decode"] / r["kev decode"], r["kev prefill"] / r["llama prefill"]
     out("| metric | kev | llama.cpp | kev speed / llama.cpp | repeats |\n|---|---:|---:|---:|---:|")
     out(f"| decode, one question (ms/token) | {r['kev decode']:.2f} | {r['llama decode']:.2f} | "
@@ -240,7 +237,20 @@ def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, thread
         f"{prefill_ratio:.2f}x | {repeats} |")
     for name, values in r["runs"].items():
         out(f"  {name} per repeat: " + ", ".join(f"{v:.2f}" if "decode" in name else f"{v:.0f}" for v in values))
+    out("prompt token ids: llama-server's /tokenize makes Kev's ids of the same text ("
+        + ", ".join(f"{name} {n} tokens" for name, n in r["checked"].items()) + ")")
     n = r["new_tokens"]
     verdict = "identical" if r["same"] == n else f"first {r['same']} identical, then they differ"
     out(f"greedy tokens, kev vs llama.cpp: {verdict} ({r['same']}/{n}); "
         f"every repeat the same answer on each side: {'yes' if r['steady'] else 'NO'}")
+    out(_memory_line(r["kev_memory"], r["llama_memory"]))
+
+
+def _memory_line(kev: dict | None, llama: dict | None) -> str:
+    def side(m: dict | None) -> str:
+        return f"peak {m['peak']:,.0f}, now {m['now']:,.0f}" if m else "not readable here"
+
+    line = f"resident memory MiB (VmHWM peak, VmRSS now): kev {side(kev)}; llama-server {side(llama)}"
+    if kev and llama:
+        line += f"; kev / llama-server: peak {kev['peak'] / llama['peak']:.2f}x, now {kev['now'] / llama['now']:.2f}x"
+    return line
