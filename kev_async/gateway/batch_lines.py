@@ -20,6 +20,7 @@ from kev_async.gateway.errors import ApiError
 from kev_async.gateway.openai_requests import ChatRequest, to_question
 from kev_async.gateway.openai_responses import chat_completion, raise_for_error, text_completion
 from kev_async.gateway.publisher import BrokerUnavailable
+from kev_async.gateway.tools import with_tool_calls
 from schemas import AnswerEvent, QuestionEvent
 
 if TYPE_CHECKING:
@@ -50,9 +51,11 @@ async def ask_line(gateway: Gateway, batch: BatchRecord, line: BatchLine, stop: 
             raise_for_error(answer)
     except ApiError as error:
         return _line(batch, line, "failed", error.status, question.question_id, error.body())
-    shape = chat_completion if isinstance(line.request, ChatRequest) else text_completion
-    body = shape(answers, id_=question.question_id, model=model, created=int(time.time()),
-                 show_cached=not caller.anonymous)
+    chat = isinstance(line.request, ChatRequest)
+    body = (chat_completion if chat else text_completion)(answers, id_=question.question_id, model=model,
+                                                          created=int(time.time()), show_cached=not caller.anonymous)
+    if chat:  # a line that offered tools gets its calls as a single request does
+        body = with_tool_calls(body, line.request)
     return _line(batch, line, "completed", 200, question.question_id, body)
 
 
