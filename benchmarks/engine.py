@@ -1,4 +1,4 @@
-"""`kev bench engine`: Kev against transformers on the same model and questions, in one process.
+"""`python -m benchmarks.engine`: Kev against transformers on the same model and questions, in one process.
 
 (a) transformers `generate`, one question at a time   (b) transformers `generate`, one left-padded batch
 (c) Kev, early eviction                                (d) Kev, finished questions kept until the batch drains
@@ -17,7 +17,7 @@ from kev_async.bench.model import bench_model, hf_model
 from kev_async.sample_questions import QUESTIONS
 from schemas import DEFAULT_MODEL
 
-# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
+# torch and the engine are imported inside the functions that use them: --help answers without loading them.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -166,3 +166,9 @@ def _common_prefix(x: list[int], y: list[int]) -> list[int]:
     while n < min(len(x), len(y)) and x[n] == y[n]:
         n += 1
     return x[:n]
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

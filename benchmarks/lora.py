@@ -1,22 +1,22 @@
-"""`kev bench lora`: the same questions with four adapters mixed in one batch, and with none; and
-`write_random_adapter`, a PEFT-format random adapter for benchmarks and tests."""
+"""`python -m benchmarks.lora`: the same questions with four adapters mixed in one batch, and with none (random
+PEFT adapters from tests/adapter_fixtures.py, which the product's tests write too)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 
-from kev_async.bench.engine import Run
+from benchmarks.engine import Run
 from kev_async.bench.model import bench_model
 from kev_async.sample_questions import QUESTIONS
 from schemas import DEFAULT_MODEL
+from tests.adapter_fixtures import write_random_adapter
 
-# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
+# torch and the engine are imported inside the functions that use them: --help answers without loading them.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -39,29 +39,6 @@ def _cli(args: argparse.Namespace) -> int:
     bench_lora(bench_model(args), num_questions=args.questions, max_new_tokens=args.max_new_tokens,
                repeats=args.repeats, num_adapters=args.adapters, rank=args.rank)
     return 0
-
-
-def write_random_adapter(directory: Path, model, rank: int, seed: int, b_std: float = 0.02) -> Path:
-    """A PEFT-format LoRA adapter on every linear target, random A and small random non-zero B."""
-    import torch
-    from safetensors.torch import save_file
-
-    from engine.adapters.files import TARGETS, target_shapes
-
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(model.spec.num_layers):
-        for target, (features_in, features_out) in target_shapes(model.spec).items():
-            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, features_in, generator=generator) / features_in ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(features_out, rank, generator=generator) * b_std
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "use_rslora": False, "bias": "none",
-              "target_modules": list(TARGETS), "base_model_name_or_path": model.name}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return directory
 
 
 def bench_lora(model, *, num_questions: int = 32, max_new_tokens: int = 64, repeats: int = 3,
@@ -113,3 +90,9 @@ def report_lora(runs: dict, model, num_questions: int, max_new_tokens: int, repe
         out(f"| {run.name} | {run.tokens} | {run.seconds:.2f} | {run.rate:.1f} |")
     base, lora = runs.values()
     out(f"adapters / no adapter = {lora.rate / base.rate:.2f}x (target >= 0.70x)")
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

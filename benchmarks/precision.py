@@ -1,4 +1,4 @@
-"""`kev bench precision`: fp32 against bf16, int8 weights and int8 KV on the same model and questions.
+"""`python -m benchmarks.precision`: fp32 against bf16, int8 weights and int8 KV on the same model and questions.
 
 Per variant: tokens/s (Kev, all questions at once, greedy), weights MiB, KV bytes per token and
 tokens per MiB of KV pool, how many answers are token-identical to fp32's, and the largest
@@ -18,7 +18,7 @@ from kev_async.sample_questions import QUESTIONS
 from kev_async.settings import set_threads
 from schemas import DEFAULT_MODEL
 
-# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
+# torch and the engine are imported inside the functions that use them: --help answers without loading them.
 
 VARIANTS = {  # name -> (load_model dtype, load_model weights, EngineOptions.kv_dtype)
     "fp32": ("fp32", "full", "auto"),
@@ -52,7 +52,7 @@ def _cli(args: argparse.Namespace) -> int:
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or names[0] != "fp32":
-        print(f"kev bench precision: error: --variants must start with fp32 and name only {', '.join(VARIANTS)}")
+        print(f"python -m benchmarks.precision: error: --variants must start with fp32 and name only {', '.join(VARIANTS)}")
         return 2
     set_threads(args.threads)
     bench_precision(args.model, names, num_questions=args.questions, max_new_tokens=args.max_new_tokens,
@@ -166,3 +166,9 @@ def _report(rows: list[dict], model_name: str, questions: int, max_new_tokens: i
             f"{r['weights_mib']:.0f} | {r['kv_bytes_per_token']} | {r['kv_tokens_per_mib']:.0f} | "
             f"{r['identical']}/{r['questions']} | {diverge} | "
             f"{r['max_first_logit_diff']:.3f} |")
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

@@ -1,4 +1,4 @@
-"""`kev bench routing`: the prefix-cache hit rate of prefix_hash against round_robin.
+"""`python -m benchmarks.routing`: the prefix-cache hit rate of prefix_hash against round_robin.
 
 Two `kev serve` workers with isolation.level shared, questions with a few long system prompts sent
 through `kev route` (in process) on the embedded broker, once per strategy. The hit rate is what the
@@ -8,7 +8,7 @@ cache then holds fewer prefixes; round_robin makes every worker cache every pref
 evicts them in turn. Built on the drill's runner (kev_async/drill/) with faults off. (prefix_hash was
 named semantic_hash before issue 40, which gave that name to routing by meaning.)
 
-`kev bench routing --semantic` reports on semantic_hash instead (kev_async/bench/semantic.py).
+`python -m benchmarks.routing --semantic` reports on semantic_hash instead (benchmarks/semantic.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import anyio
 
-from kev_async.bench import semantic
+from benchmarks import semantic
 from schemas import DEFAULT_MODEL
 
 # The drill (aiokafka, the broker) and structlog's set-up are imported inside the functions that use them:
-# `kev --help` imports this module.
+# --help answers without loading them.
 
 PERSONAS = ("a travel agent", "a legal assistant", "a cooking tutor", "a programming tutor",
             "a fitness coach", "a history teacher", "a customer support agent", "a science explainer")
@@ -96,3 +96,9 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, float]:
               f"prompt tokens cached); {result.answered}/{result.questions} answered at {result.answers_per_s} "
               f"answers/s; per worker {sorted(result.by_worker.values())}")
     return rates
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

@@ -1,6 +1,6 @@
 """ms per call of row_linear beside default mode's linear and deterministic mode's tiled linear.
 
-    python -m engine.kernels.row_linear_bench [--repeats 25] [--threads N] [--shapes qkv,o,...]
+    python -m benchmarks.row_linear [--repeats 25] [--threads N] [--shapes qkv,o,...]
 
 SmolLM2-135M's matrices as Kev multiplies them (q, k and v fused; gate and up fused; the output head),
 fp32 and bf16, at decode-sized row counts. Each cell is the median over repeats of the mean of a
@@ -53,7 +53,7 @@ def cell(kernels: dict, x: torch.Tensor, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.row_linear", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--shapes", default=",".join(SHAPES))

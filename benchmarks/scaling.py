@@ -1,16 +1,16 @@
-"""`kev bench scaling`: tokens/s against the number of questions for Kev and both transformers
+"""`python -m benchmarks.scaling`: tokens/s against the number of questions for Kev and both transformers
 baselines, printed per count and drawn as curves (scaling_plot.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kev_async.bench.engine import run_hf_padded, run_hf_sequential, run_kev
+from benchmarks.engine import run_hf_padded, run_hf_sequential, run_kev
 from kev_async.bench.model import bench_model, hf_model
 from kev_async.sample_questions import QUESTIONS
 from schemas import DEFAULT_MODEL
 
-# The engine and matplotlib are imported inside the functions that use them: `kev --help` imports this module.
+# The engine and matplotlib are imported inside the functions that use them: --help answers without loading them.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def register(kinds: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from kev_async.bench.scaling_plot import plot_scaling
+    from benchmarks.scaling_plot import plot_scaling
 
     model = bench_model(args)
     result = bench_scaling(model, counts=tuple(int(c) for c in args.counts.split(",")),
@@ -56,3 +56,9 @@ def bench_scaling(model, *, counts=(1, 2, 4, 8, 16, 32), max_new_tokens: int = 3
         out(f"{count:3} questions: kev {kev.rate:6.1f}  one-at-a-time {sequential.rate:6.1f}  "
             f"padded {padded.rate:6.1f} tokens/s")
     return {"counts": list(counts), "rates": rates, "max_new_tokens": max_new_tokens, "model": model.name}
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

@@ -1,4 +1,4 @@
-"""`kev bench scaling`'s plot (the README's docs/throughput.png): tokens/s against questions answered together."""
+"""`python -m benchmarks.scaling`'s plot (the README's docs/throughput.png): tokens/s against questions answered together."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`kev bench routing --semantic`: how often semantic_hash puts paraphrases together, against prefix_hash.
+"""`python -m benchmarks.routing --semantic`: how often semantic_hash puts paraphrases together, against prefix_hash.
 
 A fixed list of paraphrase pairs and of unrelated pairs, in English and Chinese (the issue's refund pairs
 among them), each question placed by consumers' Partitioner over --buckets partitions: semantic_hash

@@ -1,4 +1,4 @@
-"""`kev bench step`: one decode step against its floor, the weight matmuls alone, at each batch size.
+"""`python -m benchmarks.step`: one decode step against its floor, the weight matmuls alone, at each batch size.
 
 A decode step at batch B runs B single-token rows through every layer: the weight matmuls (qkv,
 o_proj, gate_up, down per layer, then the output head) plus everything else (norms, rotary, the KV
@@ -24,7 +24,7 @@ from kev_async.bench.arguments import positive_ints
 from kev_async.settings import set_threads
 from schemas import DEFAULT_MODEL, Params, QuestionEvent
 
-# torch and the engine are imported inside the functions that use them: `kev --help` imports this module.
+# torch and the engine are imported inside the functions that use them: --help answers without loading them.
 
 
 def register(kinds: argparse._SubParsersAction) -> None:
@@ -158,7 +158,7 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
 def _decode_steps(core, batch: int, steps: int) -> float:
     """Median seconds of `steps` decode steps that each ran all `batch` rows (after 2 untimed ones); every
     row is past its prefill, so each is one token per row."""
-    from engine.step_hook import BatchSizes  # the engine (torch): not for `kev --help`
+    from engine.step_hook import BatchSizes  # the engine (torch): only when timing
 
     sizes: list[int] = []
     hook = BatchSizes(sizes.append)
@@ -214,3 +214,9 @@ def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float,
     for r in rows:
         out(f"| {r['batch']} | {r['step_ms']:.2f} | {r['gemm_ms']:.2f} | {r['ratio']:.2f}x | {r['kv_read_ms']:.3g} "
             f"| {r['floor_ratio']:.2f}x | {r['tokens_per_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    from benchmarks.command import run_alone
+
+    raise SystemExit(run_alone(register))

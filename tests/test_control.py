@@ -153,7 +153,7 @@ async def test_engine_actor_loads_and_unloads_adapters_and_survives_bad_ones(tin
     from engine import Engine, EngineOptions
     from engine.sampling_defaults import Defaults
     from engine.adapters.files import AdapterError
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.engine_actor import EngineClient, LoadAdapter, UnloadAdapter, engine_actor
     from kev_async.runtime.actors import Mailbox, ask
 
@@ -272,7 +272,7 @@ async def test_serve_applies_control_commands_without_a_restart(kafka_broker, ti
                                                                  logs):
     from consumers import create_topics, topic_plan
     from kev_async.app import serve
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.runtime.lifecycle import Shutdown
 
     monkeypatch.setenv("KEV_KAFKA_SESSION_TIMEOUT_MS", "3000")

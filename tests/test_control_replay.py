@@ -40,7 +40,7 @@ def engine_options():
 async def test_engine_actor_applies_each_command_id_once(tiny_model, tmp_path, logs):
     from engine import Engine
     from engine.adapters.files import AdapterError
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.engine_actor import LoadAdapter, UpdateDefaults, engine_actor
     from kev_async.runtime.actors import Mailbox, ask
 
@@ -71,7 +71,7 @@ async def test_a_restarted_control_actor_replays_without_reapplying(kafka_broker
     from consumers import control_record, create_topics
     from engine import Engine
     from kev_async.app import control_actor
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.engine_actor import engine_actor
     from kev_async.runtime.actors import Mailbox
     from kev_async.runtime.lifecycle import Shutdown

@@ -57,7 +57,7 @@ async def test_a_worker_refuses_commands_signed_by_a_removed_key_until_they_are_
         kafka_broker, tiny_model, tiny_model_dir, tmp_path, logs):
     from consumers import control_record, create_topics, topic_plan
     from kev_async.app import serve
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.runtime.lifecycle import Shutdown
 
     (old_private, old_public), (new_private, new_public) = new_ed25519_pair(), new_ed25519_pair()

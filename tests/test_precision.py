@@ -10,7 +10,7 @@ not rounding:
   measured 4-5 %, tolerance 8 %.
 - int8 KV rounds each key/value by up to max|head| / 254, only inside attention: measured 1-2.3 %,
   tolerance 4 %.
-The real model's agreement (same greedy answers, logit difference) is `kev bench precision`'s job.
+The real model's agreement (same greedy answers, logit difference) is `python -m benchmarks.precision`'s job.
 """
 
 from __future__ import annotations
@@ -199,19 +199,6 @@ def test_bf16_without_cpu_flags_falls_back_to_fp32_with_a_log_line(monkeypatch):
     assert [entry["event"] for entry in logs] == ["precision.bf16_fallback"]
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     assert cpu_features.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
-
-
-def test_bench_precision_prints_every_variant(tmp_path, capsys):
-    from kev_async.cli import main
-    from serve_fixtures import build_tiny_model_dir
-
-    model = str(build_tiny_model_dir(tmp_path))
-    assert main(["bench", "precision", "--model", model, "--questions", "3", "--max-new-tokens", "4",
-                 "--repeats", "1", "--threads", "2"]) == 0
-    out = capsys.readouterr().out
-    for variant in ("fp32", "bf16", "int8-weights", "int8-kv"):
-        assert f"| {variant} |" in out
-    assert "| fp32 | float32 | float32 |" in out and "| 3/3 | - | 0.000 |" in out  # fp32 agrees with itself
 
 
 def test_deterministic_refuses_int8_weights_where_the_kernel_is_not_row_invariant(tiny_models, harness, monkeypatch):

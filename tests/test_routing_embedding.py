@@ -1,5 +1,5 @@
 """semantic_hash (engine/routing_embedding.py): what holds by construction. Whether paraphrases share a
-bucket on this small model is a measurement, not a test: `kev bench routing --semantic`."""
+bucket on this small model is a measurement, not a test: `python -m benchmarks.routing --semantic`."""
 
 from __future__ import annotations
 
@@ -109,16 +109,3 @@ def test_the_same_text_gets_the_same_bucket_in_another_process():
                            check=True, timeout=120)
     here = EmbeddingHash.from_model_dir(path)
     assert json.loads(there.stdout) == [here.signature(t) for t in TEXTS]
-
-
-def test_kev_bench_routing_semantic_prints_both_hashes_on_the_pairs(tiny_model_dir, capsys):
-    from kev_async.cli import main
-
-    assert main(["bench", "routing", "--semantic", "--model", str(tiny_model_dir), "--rounds", "1",
-                 "--seeds", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "16 paraphrase and 16 unrelated pairs" in out and "CPU: " in out
-    for strategy in ("semantic_hash", "prefix_hash"):
-        for pairs in ("all", "English", "Chinese"):
-            assert any(line.split()[:2] == [strategy, pairs] for line in out.splitlines()), (strategy, pairs)
-    assert "'How do I get a refund?' -> " in out and "hyperplane seeds 0..1" in out

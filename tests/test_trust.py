@@ -188,7 +188,7 @@ async def test_control_commands_must_be_signed_and_adapters_come_from_the_root(
     from consumers import control_record, create_topics
     from engine import Engine
     from kev_async.app import control_actor
-    from kev_async.bench.lora import write_random_adapter
+    from adapter_fixtures import write_random_adapter
     from kev_async.engine_actor import engine_actor
     from kev_async.runtime.actors import Mailbox
     from kev_async.runtime.lifecycle import Shutdown

@@ -1,3 +1,4 @@
-"""Benchmarks behind `kev bench`, one module or package per benchmark (engine, lora, scaling, kafka, load,
-gateway, routing, precision, step) plus what several share: arguments.py, model.py, machine.py; imported by
-the CLI, never by serving code."""
+"""The benchmarks a user of the service runs, behind `kev bench` (load, kafka, gateway, peer, structured, spec,
+isolation, fairness), one module or package each, plus what several share (arguments.py, model.py, machine.py,
+drawing.py), which the research comparisons in benchmarks/ use too; imported by the CLI, never by serving code.
+Their pictures need matplotlib, Kev's `bench` extra."""
