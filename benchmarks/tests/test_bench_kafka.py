@@ -9,7 +9,9 @@ import math
 import msgspec
 import pytest
 
-from kev_async.bench.kafka import PathRun, arrival_offsets, bench_kafka, delivery_report
+from kev_async.bench.kafka import bench_kafka
+from kev_async.bench.kafka_delivery import delivery_report
+from kev_async.bench.kafka_paths import PathRun, arrival_offsets
 from schemas import KevConfig, MetricsConfig
 
 pytestmark = pytest.mark.anyio

@@ -7,6 +7,7 @@ import os
 import sys
 
 from kev_async.bench.arguments import positive_ints
+from kev_async.bench.drawing import matplotlib_missing
 from schemas import DEFAULT_MODEL
 
 DESCRIPTION = """\
@@ -153,6 +154,8 @@ def _cli(args: argparse.Namespace) -> int:
     # The run imports torch, transformers and the engine: loaded for a run, not for `kev --help`.
     from kev_async.bench.load.run import LoadBenchError, run_load
 
+    if args.plot and matplotlib_missing("kev bench load", "--plot '' for no plot"):
+        return 2
     try:
         run_load(args)
     except LoadBenchError as exc:

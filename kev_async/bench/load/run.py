@@ -18,7 +18,6 @@ from engine import EngineOptions, load_model
 from kev_async.bench.load.kev_engine import run_engine
 from kev_async.bench.load.kev_kafka import run_kafka
 from kev_async.bench.load.openai_compatible import CompareUrlError, probe, run_openai
-from kev_async.bench.load.plot import plot_load
 from kev_async.bench.load.report import gap_line, outcomes_json, ratios, summarize, table
 from kev_async.bench.load.solo_reference import solo_reference
 from kev_async.bench.load.trace import MixSpec, TraceQuestion, build_trace, prompt_ids, stream_trace
@@ -180,6 +179,8 @@ class LoadRun:
     def _plot(self, result: dict) -> None:
         if not self.args.plot:
             return
+        from kev_async.bench.load.plot import plot_load  # matplotlib, the bench extra: only to draw
+
         points = [{**p, "rate": float(p["rate"])} for p in result["points"]]
         title = (f"{result['model']} ({result['dtype']}), {result['cpu']}, {result['torch_threads']} threads; "
                  f"<= {self.args.max_new_tokens} new tokens, greedy")
