@@ -325,8 +325,11 @@ class GatewayConfig(_Section):
     # question cancelled and its slot freed.
     send_timeout_ms: Positive = 30_000
     max_prompt_chars: Positive = 200_000
-    # The Batch API (docs/gateway.md#batch-api): where its files live (None = "files" in Kev's cache directory),
-    # the largest upload and the most requests per file, and how many lines of all batches are asked at once.
+    # The Batch API (docs/gateway.md#batch-api): where its files live (an S3-compatible store, s3://bucket/prefix,
+    # endpoint and keys from AWS_* as the durable broker's; else a directory, None = "files" in Kev's cache
+    # directory), the largest upload and the most requests per file, and how many lines of all batches are asked
+    # at once.
+    files_url: str | None = None
     files_dir: str | None = None
     max_file_bytes: Positive = 50_000_000
     max_batch_lines: Positive = 50_000

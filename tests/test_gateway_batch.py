@@ -6,6 +6,7 @@ OpenAI's error shape."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import time
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import anyio
+import httpx
 import openai
 import pytest
 
@@ -187,3 +189,38 @@ def test_unknown_ids_are_404s_and_a_bad_batch_a_400(client):
     other = openai.OpenAI(base_url=str(client.base_url), api_key="sk-unknown", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         other.files.retrieve(file_id)
+
+
+def test_files_in_the_object_store_the_durable_broker_uses(batch_stack, tmp_path, monkeypatch):
+    """gateway.files_url on the SeaweedFS store of consumers/object_store.py, given the broker's environment:
+    the batch's input and output are blobs there, and the batch runs as with a directory."""
+    from consumers.object_store import BUCKET, LocalObjectStore
+
+    store = LocalObjectStore(tmp_path / "store").start()
+    try:
+        for name, value in store.broker_env().items():
+            monkeypatch.setenv(name, value)
+        cfg = replace(batch_stack.cfg, kafka={"batches_topic": f"kev.batches.s3-{time.monotonic_ns()}"},
+                      gateway={"files_url": f"s3://{BUCKET}/batch-files", "files_dir": None})
+        with live_stack(cfg, worker=False) as gateway, openai_client(gateway) as client:
+            file_id = upload(client, [chat_line(i) for i in range(3)])
+            batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="1h")
+            batch = wait_for(client, batch.id, finished)
+            assert batch.status == "completed" and len(read_lines(client, batch.output_file_id)) == 3
+        for blob in (file_id, f"{file_id}.json", batch.output_file_id):
+            assert httpx.get(f"{store.endpoint}/{BUCKET}/batch-files/{blob}", timeout=5).status_code == 200
+    finally:
+        store.stop()
+
+
+def test_s3_requests_are_signed_as_aws_documents():
+    """AWS's worked example of a Signature Version 4 GET (examplebucket, test.txt, bytes=0-9)."""
+    from kev_async.gateway.s3_blobs import sign_v4
+
+    headers = sign_v4("GET", "https://examplebucket.s3.amazonaws.com", "/test.txt", b"",
+                      key_id="AKIAIOSFODNN7EXAMPLE", secret="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                      region="us-east-1", now=datetime.datetime(2013, 5, 24, tzinfo=datetime.timezone.utc),
+                      extra={"Range": "bytes=0-9"})
+    assert headers["authorization"].endswith(
+        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, "
+        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")

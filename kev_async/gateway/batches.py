@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("kev.gateway.batches")
 
+RETRY_S = 5.0  # a batch interrupted by the broker or the file store is taken up again after this
 MAX_WINDOW_S = 86_400  # 24 h: OpenAI's only window, and the longest deadline a question may carry
 _WINDOW = re.compile(r"([1-9][0-9]{0,5})([smh])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
@@ -95,30 +96,40 @@ class Batches:
 
     async def _run_batch(self, batch_id: str, stop: anyio.Event) -> None:
         try:
+            while not await self._attempt(batch_id, stop):
+                await anyio.sleep(RETRY_S)
+        finally:
+            self._running.pop(batch_id, None)
+
+    async def _attempt(self, batch_id: str, stop: anyio.Event) -> bool:
+        """Run the batch to its end: True; False when the broker or the file store failed on the way (the batch
+        is as recorded, and the next attempt, or the next start, takes it up from there)."""
+        try:
             if batch_id in self.store.cancels:
                 stop.set()
             lines = await self._lines(self.store.batches[batch_id])
             if lines is None:
-                return
+                return True
             batch = self.store.batches[batch_id]
             if batch.status == "validating":
                 batch = await self.store.update(batch, status="in_progress", in_progress_at=_now(), total=len(lines))
             reason = await self._ask_all(batch, lines, stop)
             await self._finish(batch_id, lines, reason)
-        except Exception:  # the broker or the disk: the batch stays as recorded, and the next start resumes it
-            log.exception("gateway.batch_failed", batch_id=batch_id)
-        finally:
-            self._running.pop(batch_id, None)
+            return True
+        except Exception:
+            log.exception("gateway.batch_interrupted", batch_id=batch_id, retry_s=RETRY_S)
+            return False
 
     async def _lines(self, batch: BatchRecord) -> list[BatchLine] | None:
         """The input file's lines; None (and the batch failed, saying why) when they cannot be read."""
         try:
             content = await self.files.read(batch.input_file_id, batch.tenant)
             return await anyio.to_thread.run_sync(lambda: parse_lines(content, max_lines=self.max_lines))
-        except (ApiError, OSError) as error:
-            message = error.message if isinstance(error, ApiError) else f"the input file cannot be read ({error})"
+        except ApiError as error:
+            if error.status >= 500:  # the file store is away, not the file
+                raise
             await self.store.update(batch, status="failed", failed_at=_now(),
-                                    errors=[{"code": "invalid_input_file", "message": message, "param": None,
+                                    errors=[{"code": "invalid_input_file", "message": error.message, "param": None,
                                              "line": None}])
             return None
 

@@ -35,7 +35,7 @@ from kev_async.gateway.callers import TenantSlots
 from kev_async.gateway.catalog import ModelCatalog, served_model_name
 from kev_async.gateway.connections import ConnectionLimits, limited_protocol
 from kev_async.gateway.exposure import check_exposure
-from kev_async.gateway.files import FileStore
+from kev_async.gateway.files import FileStore, blobs_for
 from kev_async.gateway.metrics import GatewayMetrics
 from kev_async.gateway.publisher import QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
@@ -89,7 +89,7 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
             store = BatchStore(kafka, kafka.batches_topic, producer)
-            gateway.batches = Batches(gateway, store, FileStore(cfg.gateway.files_dir), runs_batches=runs_batches)
+            gateway.batches = Batches(gateway, store, FileStore(blobs_for(cfg.gateway)), runs_batches=runs_batches)
             await tg.start(store.run)
             await tg.start(gateway.batches.run)
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
