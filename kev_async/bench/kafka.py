@@ -19,7 +19,7 @@ import statistics
 import anyio
 import msgspec
 
-from kev_async.bench.drawing import matplotlib_missing
+from kev_async.drawing import matplotlib_missing
 from kev_async.bench.kafka_delivery import compare_delivery
 from kev_async.bench.kafka_paths import PathRun, arrival_offsets, bench_questions, engine_alone, through_kafka
 from kev_async.bench.kafka_profile import STAGES, StageLog, caught_stages, draw_timeline, stage_table

@@ -63,6 +63,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
+    from kev_async.drawing import matplotlib_missing
+
+    if matplotlib_missing("kev audit render"):
+        return 2
     log = _load(args.logfile)
     if log is None:
         return 2

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from kev_async.drawing import matplotlib_missing
 from kev_async.observe.audit import AUDIT_EVENTS, ENDING_EVENTS, AuditLog, ForwardRecord, check_log, format_report
 from kev_async.cli._shared import bad_sampling, sampling_params
 from kev_async.settings import load_config, set_threads
@@ -72,6 +73,8 @@ def _pipeline(args: argparse.Namespace) -> int:
     problem = bad_sampling(params) or _bad_flags(args)  # before the model loads: a typo should not cost seconds
     if problem:
         print(f"kev pipeline: {problem}", file=sys.stderr)
+        return 2
+    if args.picture is not None and matplotlib_missing("kev pipeline", "leave out --picture"):
         return 2
     return _run(args, cfg, params)
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from kev_async.bench.arguments import positive_ints
-from kev_async.bench.drawing import matplotlib_missing
+from kev_async.drawing import matplotlib_missing
 from schemas import DEFAULT_MODEL
 
 DESCRIPTION = """\
