@@ -334,6 +334,7 @@ class GatewayConfig(_Section):
     max_file_bytes: Positive = 50_000_000
     max_batch_lines: Positive = 50_000
     batch_in_flight: Positive = 16
+    run_batches: bool = True  # false: serve the batch routes but leave running batches to another gateway
 
 
 class AdaptersConfig(_Section):

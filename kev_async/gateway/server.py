@@ -89,7 +89,8 @@ async def run_gateway(cfg: KevConfig, shutdown: Any, *, sock: socket.socket | No
             await tg.start(replies.run)
             await tg.start(gateway.catalog.follow, kafka)
             store = BatchStore(kafka, kafka.batches_topic, producer)
-            gateway.batches = Batches(gateway, store, FileStore(blobs_for(cfg.gateway)), runs_batches=runs_batches)
+            gateway.batches = Batches(gateway, store, FileStore(blobs_for(cfg.gateway)),
+                                      runs_batches=runs_batches and cfg.gateway.run_batches)
             await tg.start(store.run)
             await tg.start(gateway.batches.run)
             sock = sock or listen(cfg.gateway.host, cfg.gateway.port)
