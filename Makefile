@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets itself up (venv, packages, model) and is quick the second time.
-.PHONY: demo test test-real setup
+.PHONY: demo test test-real test-bench setup
 
 setup:
 	@bash ops/setup.sh
@@ -15,3 +15,9 @@ test: setup
 test-real: setup
 	bash ops/real-models.sh
 	.venv/bin/python -m pytest -q -m real_model
+
+# The benchmarks' smoke tests (benchmarks/tests): each `kev bench` and `python -m benchmarks.<name>` runs on a tiny
+# model and prints its table; speed is never asserted. Slow, so apart from `make test`.
+test-bench: setup
+	@echo "kev: the benchmarks' smoke tests (a dot per test)" >&2
+	.venv/bin/python -m pytest -q benchmarks/tests
