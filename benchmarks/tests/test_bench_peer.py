@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gguf_writer import write_llama_gguf
-from kev_async.bench.peer import KevSide, decode_prompt, prefill_prompts
+from kev_async.bench.llama_server import LlamaServer
+from kev_async.bench.peer import KevSide, bench_peer, decode_prompt, prefill_prompts
 from kev_async.cli import main
 
 pytest_plugins = ["serve_fixtures"]
@@ -51,19 +52,21 @@ def test_a_server_without_timings_is_not_llama_server(tiny_model_dir, capsys):
     assert "without llama-server's `timings`" in capsys.readouterr().err
 
 
-def test_the_table_puts_kev_beside_the_servers_timings(tiny_model_dir, capsys):
+def test_the_table_puts_kev_beside_the_servers_timings(tiny_model, tiny_model_dir):
+    lines = []
     with _server(_llama, _tokenizer(tiny_model_dir)) as url:
-        assert _peer(tiny_model_dir, url, "--repeats", "3", "--new-tokens", "12", "--prompt-tokens", "120") == 0
-    out = capsys.readouterr().out
-    assert any(line.startswith("machine: ") and "(" in line for line in out.splitlines())  # the CPU and its flags
-    decode = _row(out, "| decode, one question (ms/token) |")
-    prefill = _row(out, "| prefill, 120-token prompt (tokens/s) |")
-    assert decode[1] == 4.0 and prefill[1] == 500.0  # llama.cpp's own timings, as it sent them
-    # The ratio is printed to two decimals: on a slow host (kev at ~56 ms/token) 0.0714 prints as 0.07.
-    assert decode[2] == pytest.approx(4.0 / decode[0], rel=0.02, abs=0.006)  # ms: llama / kev; tokens/s: kev / llama
-    assert prefill[2] == pytest.approx(prefill[0] / 500.0, rel=0.02, abs=0.006)
-    kev_ms = [float(v) for v in _after(out, "kev decode per repeat: ").split(", ")]
-    assert len(kev_ms) == 3 and statistics.median(kev_ms) == pytest.approx(decode[0], abs=0.01)
+        result = bench_peer(tiny_model, LlamaServer(url), repeats=3, new_tokens=12, prompt_tokens=120,
+                            out=lines.append)
+    out = "\n".join(lines)
+    assert any(line.startswith("machine: ") and "(" in line for line in lines)  # the CPU and its flags
+    assert result["llama decode"] == 4.0 and result["llama prefill"] == 500.0  # llama.cpp's timings, as sent
+    assert result["kev decode"] == statistics.median(result["runs"]["kev decode"]) > 0
+    assert result["kev prefill"] == statistics.median(result["runs"]["kev prefill"]) > 0
+    # The table prints the unrounded figures, each rounded once: ms as llama / kev, tokens/s as kev / llama.
+    decode, prefill = result["kev decode"], result["kev prefill"]
+    assert f"| decode, one question (ms/token) | {decode:.2f} | 4.00 | {4.0 / decode:.2f}x | 3 |" in lines
+    assert f"| prefill, 120-token prompt (tokens/s) | {prefill:.0f} | 500 | {prefill / 500.0:.2f}x | 3 |" in lines
+    assert len(result["runs"]["kev decode"]) == 3
     assert "greedy tokens, kev vs llama.cpp: " in out and "/12); every repeat the same answer on each side: yes" in out
 
 
@@ -113,11 +116,6 @@ def _tokenizer(model):
 
 def _peer(model_dir, url: str, *extra: str) -> int:
     return main(["bench", "peer", "--url", url, "--model", str(model_dir), "--threads", "2", *extra])
-
-
-def _row(out: str, start: str) -> list[float]:
-    cells = next(line for line in out.splitlines() if line.startswith(start)).split("|")[2:5]
-    return [float(cell.strip().rstrip("x")) for cell in cells]
 
 
 def _after(out: str, marker: str) -> str:
