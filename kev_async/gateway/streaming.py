@@ -99,16 +99,16 @@ class AnswerStream:
     async def _relay(self, pending: Pending, scope: Scope, receive: Receive, send: Send) -> bool:
         """Send the stream; True once the answers arrived (a deadline passing first is reported in-stream)."""
         events = pending.events()
-        first = None
+        peeked = None
         if self.calls is not None or _has_tool_turns(self.question):
             with anyio.move_on_after(self.wait_s):
-                first = await anext(events, None)
-            if first is None:
+                peeked = await _first_reply(events)
+            if peeked is None:
                 await self._timed_out().response()(scope, receive, send)
                 return False
-            if isinstance(first, AnswerEvent) and first.finish_reason == "error":
+            if isinstance(peeked, AnswerEvent) and peeked.finish_reason == "error":
                 try:
-                    raise_for_error(first)
+                    raise_for_error(peeked)
                 except ApiError as error:
                     await error.response()(scope, receive, send)
                 return True
@@ -120,7 +120,7 @@ class AnswerStream:
         sent: dict[int, list[str]] = {}  # sample -> its text sent
         answers = 0
         with anyio.move_on_after(self.wait_s):
-            async for event in _chained(first, events):
+            async for event in _chained(peeked, events):
                 if isinstance(event, AnswerDelta):
                     if event.text or event.logprobs:  # an end token has a logprob and no text
                         if not sent:
@@ -206,3 +206,12 @@ async def _chained(first: AnswerEvent | AnswerDelta | None, events: AsyncIterato
 def _has_tool_turns(question: QuestionEvent) -> bool:
     """Tool calls or tool messages in the conversation: a model without a tool format refuses them."""
     return any(m.role == "tool" or m.tool_calls for m in question.messages or ())
+
+
+async def _first_reply(events: AsyncIterator[AnswerEvent | AnswerDelta]) -> AnswerEvent | AnswerDelta | None:
+    """The first answer or delta with something in it (a worker ending a question sends an empty last delta
+    before its answer, an error answer included); None when the replies end first."""
+    async for event in events:
+        if isinstance(event, AnswerEvent) or event.text or event.logprobs:
+            return event
+    return None
