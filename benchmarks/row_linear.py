@@ -52,12 +52,12 @@ def cell(kernels: dict, x: torch.Tensor, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.row_linear", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     print(f"threads {args.threads}; ms per call (median of {args.repeats}); ratio = other / row_linear")
