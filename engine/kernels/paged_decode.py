@@ -1,7 +1,7 @@
 """Single-token decode attention that reads each question's keys and values where they lie in the block
 pool, instead of gathering them into a padded batch first (CPU; fp32, bf16 and int8 caches).
 
-The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`kev bench step --profile`):
+The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`python -m benchmarks.step --profile`):
 it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
 attention then reads the copy again. This kernel reads each key and value once, from its slot.
 
@@ -100,5 +100,5 @@ class PagedDecodes:
                 form.window or 0, form.softcap or 0.0, *scales)
         if not torch.autograd._profiler_enabled():  # a record_function costs ~8 us even with no profiler
             return self.op(*args)
-        with torch.profiler.record_function("kev::paged_decode"):  # named in `kev bench step --profile`
+        with torch.profiler.record_function("kev::paged_decode"):  # named in `python -m benchmarks.step --profile`
             return self.op(*args)
