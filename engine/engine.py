@@ -1,8 +1,8 @@
 """Engine: the long-lived, async face of EngineCore (anyio, so asyncio and trio both work).
 
-The step loop runs on one worker thread that owns the device; async callers only ever wait on events,
-never on a forward. Commands go in through a thread-safe queue; each step's results come back to the
-event loop in one call.
+The step loop runs on one worker thread that owns the device (engine/device_thread.py); async callers
+only ever wait on events, never on a forward. Commands go in through a thread-safe queue; each step's
+results come back to the event loop in one call.
 
 `submit` prepares a question before the device thread sees it: its prompt is tokenized on one worker
 thread, and its response_format compiled on the compile threads under its principal's budget
@@ -13,23 +13,18 @@ compiled or computed.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import queue
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import anyio
-import anyio.from_thread
 import anyio.to_thread
-import sniffio
-import structlog
 
 from engine.adapters.files import LoraAdapter
 from engine.compile_budget import CompileBudget, compile_threads
 from engine.compile_threads import CompileThreads, CompileThreadsClosed
 from engine.core import EngineCore
+from engine.device_thread import CLOSED, DeviceThread, loop_poster
 from engine.sampling_defaults import Defaults
 from engine.intake import QuestionRejected
 from engine.kernels.omp_pool import release_thread_pool
@@ -39,39 +34,14 @@ from engine.output.handle import Handle
 from engine.output.processor import StepEvents
 from engine.prompt import as_question
 from engine.schedule.deadlines import published_at
-from schemas import AnswerDelta, AnswerEvent, QuestionEvent
+from schemas import AnswerDelta, AnswerEvent
 from schemas.principal import ANONYMOUS, Principal
 
-_STOP = object()
-_CLOSED = ("engine_closed", "the engine closed before this question started")  # why a question never started
 # Prompts are rendered and tokenized on one worker thread at a time, in arrival order; the tokenizer
 # is shared with the device thread's detokenizing, and one thread keeps encodes from contending.
 TOKENIZING_THREADS = 1
 # response_format grammars compile on their own threads, below the step's priority, each principal a few
 # at a time (engine/compile_budget.py): a slow schema holds up neither the steps nor the questions behind it.
-log = structlog.get_logger("kev.engine")
-
-
-@dataclass(eq=False)
-class _Call:
-    """A function to run on the device thread between two steps, and its outcome for the caller."""
-
-    fn: object
-    args: tuple
-    done: anyio.Event = field(default_factory=anyio.Event)
-    value: object = None
-    error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn(*self.args)
-        except Exception as exc:  # handed to the caller, who awaits it; the step loop goes on
-            self.error = exc
-
-    def result(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 class Engine:
@@ -80,8 +50,8 @@ class Engine:
     def __init__(self, model=None, options: EngineOptions | None = None, *, core: EngineCore | None = None):
         self.core = core or EngineCore(model, options)
         self.options = self.core.options
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, Handle] = {}
+        self._device = DeviceThread(self.core, self._handles, self._deliver_from_thread)
         self._numbers = itertools.count()  # ids for questions given as plain strings or dicts
         # overflow_policy=wait: a submitter waits here for a free place instead of being refused.
         places = self.options.max_parallel_queries + self.options.max_waiting
@@ -96,7 +66,7 @@ class Engine:
         release_thread_pool()  # the math runs on the device thread: this thread's OpenMP workers would slow it
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._post = _loop_poster()
+        self._post = loop_poster()
         self._task_group.start_soon(self._run_device_thread)
         return self
 
@@ -144,12 +114,12 @@ class Engine:
             self._drop(handle, None)
             raise
         if self.closed:  # closed while it was prepared: the step loop may have stopped reading commands
-            self._drop(handle, rejected_answers(question, QuestionRejected(*_CLOSED)))
+            self._drop(handle, rejected_answers(question, QuestionRejected(*CLOSED)))
             return handle
         if handle.cancelling:  # before or while it was prepared: it ends "cancelled" at the next step
-            self._commands.put(("withdraw", (question, arrival)))
+            self._device.put("withdraw", (question, arrival))
         else:
-            self._commands.put(("add", (question, prompt_ids, arrival, published, principal)))
+            self._device.put("add", (question, prompt_ids, arrival, published, principal))
         return handle
 
     async def _prepare(self, handle: Handle, arrival: float, published: float | None,
@@ -163,7 +133,7 @@ class Engine:
             return None
         if self._tokenizing is None:  # made here: a CapacityLimiter needs a running event loop
             self._tokenizing = anyio.CapacityLimiter(TOKENIZING_THREADS)
-            self.compiles = CompileBudget(CompileThreads(compile_threads(), _loop_poster()),
+            self.compiles = CompileBudget(CompileThreads(compile_threads(), loop_poster()),
                                           self.options.compiles_per_principal)
         # A cancel ends the wait for the tokenizer, a compile place or a compile at once (a compile
         # already running finishes unread; its grammar is cached); a tokenize already running finishes first.
@@ -173,7 +143,7 @@ class Engine:
                 if question.params.response_format is not None:
                     await self.compiles.run(principal, self.core.constraints.prepare, question)
             except CompileThreadsClosed:  # the engine closed while it waited for a compile place
-                raise QuestionRejected(*_CLOSED) from None
+                raise QuestionRejected(*CLOSED) from None
             finally:
                 del self._preparing[question.question_id]
         return None if handle.cancelling else prompt_ids
@@ -201,7 +171,7 @@ class Engine:
         preparing = self._preparing.get(question_id)
         if preparing is not None:  # not queued yet: it stops preparing, and submit withdraws it
             preparing.cancel()
-        self._commands.put(("cancel", question_id))
+        self._device.put("cancel", question_id)
 
     async def load_adapter(self, name: str, path, version: int | None = None) -> LoraAdapter:
         """Hot-load or replace a LoRA adapter between two steps; questions in flight keep their version.
@@ -229,7 +199,7 @@ class Engine:
         """Stop the step loop; questions still in flight are cancelled."""
         if not self.closed:
             self.closed = True
-            self._commands.put(_STOP)
+            self._device.stop()
             if self.compiles is not None:
                 self.compiles.close()
 
@@ -243,95 +213,14 @@ class Engine:
             raise RuntimeError("the engine is closed")
         if self._task_group is None:  # not started: no device thread, nothing else touches the core
             return fn(*args)
-        call = _Call(fn, args)
-        self._commands.put(("call", call))
-        await call.done.wait()
-        return call.result()
+        return await self._device.call(fn, *args)
 
     # -- the device thread -------------------------------------------------------------------------
     async def _run_device_thread(self) -> None:
         try:
-            await anyio.to_thread.run_sync(self._loop)
+            await anyio.to_thread.run_sync(self._device.run)
         finally:
             self.close()
-
-    def _loop(self) -> None:
-        core = self.core
-        while True:
-            if not self._drain_commands(block_for=core.wait_time() if core.has_work else None):
-                break
-            if core.has_work and not core.wait_time():
-                self._deliver_from_thread(core.step())
-        for qid in list(self._handles):  # closing: whatever is left ends as cancelled
-            core.cancel(qid)
-        self._deliver_from_thread(core.step())
-        core.constraints.close()
-        self._refuse_queued_calls()
-        release_thread_pool()  # this thread goes back to anyio's pool: its workers would slow the next engine's
-
-    def _drain_commands(self, block_for: float | None) -> bool:
-        """Apply every queued command, blocking up to `block_for` seconds (None = until one comes)."""
-        try:
-            first = self._commands.get(timeout=block_for) if block_for != 0 else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        for command in itertools.chain([first], self._queued()):
-            if command is _STOP:
-                return False
-            self._apply(*command)
-        return True
-
-    def _queued(self):
-        """The commands queued now, taken one by one without waiting."""
-        while True:
-            try:
-                yield self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _refuse_queued_calls(self) -> None:
-        """Calls queued behind the stop would otherwise wait forever."""
-        for command in self._queued():
-            if command is _STOP:
-                continue
-            if command[0] == "call":
-                command[1].error = RuntimeError("the engine closed before this call ran")
-                anyio.from_thread.run_sync(command[1].done.set)
-            elif command[0] in ("add", "withdraw"):  # its submitter is waiting for an answer: give it one
-                closed = rejected_answers(command[1][0], QuestionRejected(*_CLOSED))
-                self._deliver_from_thread(StepEvents(answers=closed))
-
-    def _apply(self, verb: str, arg) -> None:
-        if verb == "cancel":
-            self.core.cancel(arg)
-            return
-        if verb == "withdraw":
-            self._withdraw(*arg)
-            return
-        if verb == "call":
-            arg.run()
-            anyio.from_thread.run_sync(arg.done.set)
-            return
-        question, prompt_ids, arrival, published, principal = arg
-        try:
-            self.core.add(question, prompt_ids, arrival=arrival, published=published, principal=principal)
-            handle = self._handles.get(question.question_id)
-            if handle is not None and handle.cancelling:  # a cancel on its way behind it: apply it now
-                self.core.cancel(question.question_id)
-        except QuestionRejected as exc:
-            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, exc)))
-        except Exception as exc:  # noqa: BLE001 - one question's failure is its own: the device thread goes on
-            log.exception("engine.add_failed", question_id=question.question_id)
-            failed = QuestionRejected("internal_error", f"the question could not be queued: {type(exc).__name__}")
-            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, failed)))
-
-    def _withdraw(self, question: QuestionEvent, arrival: float) -> None:
-        try:
-            self.core.withdraw(question, arrival)
-        except Exception as exc:  # noqa: BLE001 - as in _apply: its answer says so, the device thread goes on
-            log.exception("engine.withdraw_failed", question_id=question.question_id)
-            failed = QuestionRejected("internal_error", f"the question could not be ended: {type(exc).__name__}")
-            self._deliver_from_thread(StepEvents(answers=rejected_answers(question, failed)))
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
         # Posted, not waited for: the device thread goes on to the next step while the event loop hands
@@ -365,12 +254,3 @@ class Engine:
             handle.end(answer)
         self._places.release()
         handle._notify()
-
-
-def _loop_poster():
-    """The running event loop's thread-safe "call this soon", for the device thread (asyncio or trio)."""
-    if sniffio.current_async_library() == "trio":
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    return asyncio.get_running_loop().call_soon_threadsafe

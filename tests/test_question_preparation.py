@@ -284,12 +284,12 @@ async def test_one_principals_flood_of_grammars_does_not_starve_anothers(tiny, p
 async def test_compile_threads_asked_for_one_new_format_at_once_compile_it_once(smollm2_tokenizer):
     from engine.compile_threads import CompileThreads
     from engine.constrain.grammars import GrammarCache
-    from engine.engine import _loop_poster
+    from engine.device_thread import loop_poster
     from schemas.constraint import spec_of
 
     cache = GrammarCache(smollm2_tokenizer, 2, 8)
     cache.tokenizer  # built before: its half second would otherwise hide the race
-    threads = CompileThreads(4, _loop_poster())
+    threads = CompileThreads(4, loop_poster())
     specs = [spec_of(grammar(next(_seeds)))] * 4 + [spec_of(GrammarFormat("start: ("))] * 4
     outcomes = [None] * len(specs)
 
