@@ -164,6 +164,36 @@ def test_while_a_less_served_principal_decodes_a_more_served_ones_prompts_wait()
     assert late.admitted_at is not None
 
 
+@pytest.mark.parametrize("fixed_rows, paced", [(5, True), (1000, False)])
+def test_beside_a_light_principal_a_backlogged_ones_rows_are_paced_where_rows_make_a_step_dearer(fixed_rows, paced):
+    # Forwards timed as a CPU runs them (the fixed part worth 5 rows) or a GPU (worth 1000): PACE 1.5 lets
+    # bulk add half of what the step's fixed part and chat's 2 rows cost, 3.5 rows on the CPU.
+    sched = make(max_parallel_queries=8)
+
+    def timed_step():
+        plan = sched.schedule()
+        sched.update(plan, [TOKEN] * len(plan.sampled_chunks), 0.001 * (fixed_rows + plan.num_tokens))
+        return plan
+
+    for i in range(12):
+        sched.add(question(f"b{i}", BULK, max_new=200, arrival=i))
+    for _ in range(20):  # the step costs are measured (16 forwards) before chat comes
+        timed_step()
+    chat = [question(f"c{i}", CHAT, max_new=12, arrival=50 + i) for i in range(2)]
+    for seq in chat:
+        sched.add(seq)
+    beside = []  # bulk's rows in the steps where chat decoded, served less than bulk
+    while any(not seq.status.finished for seq in chat):
+        chat_behind = sched.sharing.fair.counter(CHAT) < sched.sharing.fair.counter(BULK)
+        plan = timed_step()
+        if chat_behind and all(c.seq.decoding for c in plan.chunks):
+            assert {id(c.seq) for c in plan.chunks} >= {id(seq) for seq in chat if seq.status == Status.RUNNING}
+            beside.append(sum(c.seq.principal == BULK for c in plan.chunks))
+    assert len(beside) >= 8
+    assert set(beside) == ({3} if paced else {6})
+    assert len([c for c in timed_step().chunks if c.seq.principal == BULK]) == 8  # chat gone: every bulk row
+
+
 # -- within a principal: priority, then the earliest deadline ------------------------------------------
 def test_within_a_principal_priority_comes_first_then_the_earliest_deadline():
     sched = make(max_parallel_queries=1)

@@ -139,7 +139,7 @@ class Scheduler:
         room = PromptRoom(self.limits.prompt_chunk_tokens, self.costs.key_cost,
                           any(s.decoding for s in self.running), grid=bool(self.limits.chunk_grid))
         step = Filling(self.limits.max_tokens_per_step, room, self.sharing, now)
-        self.sharing.open_step(self.running)
+        self.sharing.open_step(self.running, self.waiting, self.costs)
         self._rebalance(step)
         if self.speculation is not None:
             self.speculation.plan(self.running, self.limits.max_tokens_per_step, self.max_tokens_per_question)
@@ -234,7 +234,7 @@ class Scheduler:
                 break
             if seq.status != Status.RUNNING or id(seq) in planned:  # preempted earlier in this loop, or admitted
                 continue
-            if not seq.decoding and not self.sharing.may_prefill(seq):
+            if (not seq.decoding and not self.sharing.may_prefill(seq)) or not self.sharing.may_step(seq):
                 continue
             # Leave a token for every question behind this one: a long prefill never stalls their decodes.
             behind = sum(id(s) not in planned for s in self.running[self.running.index(seq) + 1:])

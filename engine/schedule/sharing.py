@@ -13,7 +13,9 @@ from collections.abc import Iterable
 
 from engine.schedule.admission_order import ORDER, admission_order, due
 from engine.schedule.fair_share import FairShare, Lanes, overserved
+from engine.schedule.light_pace import LightPace
 from engine.schedule.quotas import Quotas
+from engine.schedule.step_cost import StepCost
 from engine.schedule.tenants import TenantCounts, Tenants, tenant_name
 from engine.sequence import Sequence
 from schemas import SchedulingPolicy
@@ -29,6 +31,7 @@ class Sharing:
         self._live: Counter = Counter()  # questions waiting or running, by principal
         self._at_step_start: dict[Principal, float] = {}  # counters as this step began (open_step)
         self._prompt_ceiling: float | None = None  # prompts of principals served more than this wait
+        self._pace: LightPace | None = None  # this step's rows for the backlogged beside a light principal
 
     @property
     def fair_policy(self) -> bool:
@@ -91,12 +94,19 @@ class Sharing:
         return min((self.quotas.retry_in(seq.principal, now) for seq in waiting), default=0.0)
 
     # -- who goes first --------------------------------------------------------------------------------
-    def open_step(self, running: list[Sequence]) -> None:
+    def open_step(self, running: list[Sequence], waiting: list[Sequence], costs: StepCost) -> None:
         """Policy fair: while a less-served principal's question decodes, a more-served one's prompts wait, so
-        their prefill never slows that stream (counters as the step starts)."""
+        their prefill never slows that stream (counters as the step starts), and beside a light principal
+        the backlogged ones' rows are paced (light_pace.py)."""
         self._at_step_start = dict(self.fair.counters)
         decoding = [self._at_step_start.get(s.principal, 0.0) for s in running if s.decoding]
         self._prompt_ceiling = min(decoding) if self.fair_policy and decoding else None
+        self._pace = LightPace(costs, self._at_step_start, running, waiting) if self._prompt_ceiling is not None \
+            else None
+
+    def may_step(self, seq: Sequence) -> bool:
+        """Whether a running question gets a row in this step (policy fair paces some beside a light one)."""
+        return self._pace is None or self._pace.allows(seq)
 
     def may_prefill(self, seq: Sequence) -> bool:
         return self._prompt_ceiling is None or self._at_step_start.get(seq.principal, 0.0) <= self._prompt_ceiling
