@@ -262,7 +262,7 @@ class KafkaConfig(_Section):
     # there; the embedded Tansu holds it for the whole wait, so an embedded broker runs with 20 ms.
     fetch_max_wait_ms: Positive = 500
     # Records of one questions partition a worker reads ahead of their answers (fetched, not yet answered);
-    # at it the partition is paused until an answer settles one. None = router.max_parallel_queries: a
+    # records fetched past it wait in the worker until an answer settles one. None = router.max_parallel_queries: a
     # partition's backlog fills one batch and leaves the rest of the channel pool to the others, and a
     # question behind it in the same partition is read once the backlog is within this of its end.
     read_ahead: Positive | None = None

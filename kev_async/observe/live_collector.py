@@ -107,7 +107,7 @@ class LiveCollector:
         in_flight = GaugeMetricFamily("kev_kafka_in_flight", "Fetched records whose outcome is not acked yet.")
         assigned = GaugeMetricFamily("kev_kafka_assigned_partitions", "Partitions assigned to this worker.")
         paused = GaugeMetricFamily("kev_kafka_paused_partitions", "Partitions paused by backpressure "
-                                   "(the engine's inbox full, or the partition at its read-ahead window).")
+                                   "(the engine's inbox full).")
         lag = GaugeMetricFamily("kev_consumer_lag", "Records on the broker not yet fetched (highwater - position).",
                                 labels=["topic", "partition"])
         records = CounterMetricFamily("kev_kafka_records", "Question records fetched.")
