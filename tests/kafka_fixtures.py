@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
+from polling import eventually
 
 from consumers import EmbeddedBroker, Inbound, KafkaWorker, Outbound
 from schemas import AnswerDelta, AnswerEvent, KafkaConfig
@@ -92,19 +93,50 @@ async def committed(bootstrap: str, group: str, topic: str, partitions: int) -> 
         await consumer.stop()
 
 
-async def wait_until(predicate: Callable[[], bool], *, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"still false after {timeout}s"
-        await anyio.sleep(0.02)
+async def end_offsets(bootstrap: str, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """The offset the next record of each partition will get: what is acked lies below it."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return await consumer.end_offsets(partitions)
+    finally:
+        await consumer.stop()
+
+
+async def read_to_end(bootstrap: str, topic: str, *, timeout: float = 20.0) -> list[ConsumerRecord]:
+    """Every record of `topic` up to its end offsets as they are at the first look: once it returns, no
+    record already acked on `topic` was missed (a positive signal, unlike lingering a while)."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    records: list[ConsumerRecord] = []
+    ends: dict[TopicPartition, int] = {}
+
+    async def at_the_end() -> bool:
+        batch = await consumer.getmany(timeout_ms=100)
+        records.extend(record for part in batch.values() for record in part)
+        if not ends and consumer.assignment():
+            ends.update(await consumer.end_offsets(list(consumer.assignment())))
+        return bool(ends) and all([await consumer.position(tp) >= end for tp, end in ends.items()])
+
+    try:
+        await eventually(at_the_end, timeout=timeout, every=0, what=lambda: f"read {topic} up to {ends}")
+    finally:
+        await consumer.stop()
+    return records
 
 
 async def wait_committed(bootstrap: str, group: str, topic: str, expected: dict[int, int | None],
                          timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := await committed(bootstrap, group, topic, len(expected))) != expected:
-        assert time.monotonic() < deadline, f"committed {got}, expected {expected}"
-        await anyio.sleep(0.1)
+    """Until the group's committed positions on `topic` are exactly `expected`."""
+    seen: dict[int, int | None] = {}
+
+    async def as_expected() -> bool:
+        seen.update(await committed(bootstrap, group, topic, len(expected)))
+        return seen == expected
+
+    await eventually(as_expected, timeout=timeout, every=0.1,
+                     what=lambda: f"committed {seen} on {topic}, expected {expected}")
 
 
 def answer_for(inbound: Inbound) -> AnswerEvent:

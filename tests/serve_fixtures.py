@@ -19,7 +19,9 @@ from pathlib import Path
 
 import anyio
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from kafka_fixtures import end_offsets
+from polling import eventually
 
 from consumers.broker import EMBEDDED_FETCH_WAIT_MS
 from kev_async.drill.checks import log_events as parse_log_events
@@ -138,17 +140,24 @@ def kev_processes() -> Iterator[list[KevProcess]]:
             child.kill()
 
 
+def says(process: KevProcess, text: str) -> bool:
+    """Whether the child's output holds `text` yet; fails at once if the child has exited."""
+    assert process.running(), process.describe()
+    return text in process.log()
+
+
 def log_events(process: KevProcess, event: str) -> list[dict]:
     """The child's JSON log lines whose event is `event`."""
     return parse_log_events(process.log(), event)
 
 
-async def wait_log(process: KevProcess, event: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not log_events(process, event):
+async def wait_log(process: KevProcess, event: str, timeout: float) -> list[dict]:
+    """Until the child has logged `event` (its lines with it); fails at once if the child exits first."""
+    def logged() -> list[dict]:
         assert process.running(), f"exited before {event!r}: {process.describe()}"
-        assert time.monotonic() < deadline, f"no {event!r} after {timeout}s: {process.describe()}"
-        await anyio.sleep(0.1)
+        return log_events(process, event)
+
+    return await eventually(logged, timeout=timeout, every=0.1, what=lambda: f"{event!r} in {process.describe()}")
 
 
 async def wait_assigned(children: Iterable[KevProcess], timeout: float = STARTUP_TIMEOUT) -> None:
@@ -156,9 +165,7 @@ async def wait_assigned(children: Iterable[KevProcess], timeout: float = STARTUP
     (a rebalance, as the next child joins, may have taken them all back)."""
     for child in children:
         await wait_log(child, "partitions_assigned", timeout)
-    with anyio.fail_after(timeout):
-        while not all(_assigned_now(child) for child in children):
-            await anyio.sleep(0.1)
+    await eventually(lambda: all(_assigned_now(child) for child in children), timeout=timeout, every=0.1)
 
 
 def _assigned_now(process: KevProcess) -> bool:
@@ -175,6 +182,7 @@ class AnswerReader:
         self.bootstrap, self.topic = bootstrap, topic
         self.records: list = []
         self.answers: list[AnswerEvent] = []
+        self.positions: dict[TopicPartition, int] = {}  # the next offset to read, per partition
         self._changed = anyio.Event()
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
@@ -192,6 +200,7 @@ class AnswerReader:
                     for record in records:
                         self.records.append(record)
                         self.answers.append(decode_answer(record.value))
+                self.positions = {tp: await consumer.position(tp) for tp in consumer.assignment()}
                 if batch:
                     self._changed.set()
                     self._changed = anyio.Event()
@@ -210,6 +219,14 @@ class AnswerReader:
                 await self._changed.wait()
         missing = wanted - self.question_ids()
         assert not missing, f"no {what} after {timeout}s for {len(missing)}: {sorted(missing)[:10]}"
+
+    async def caught_up(self, timeout: float = 20.0) -> None:
+        """Until the reader has passed every record the topic holds now: an answer already acked is in
+        `answers` (a positive signal that nothing more is there, where a pause would only hope so)."""
+        await eventually(lambda: self.positions, timeout=timeout, what=f"an assignment of {self.topic}")
+        ends = await end_offsets(self.bootstrap, list(self.positions))
+        await eventually(lambda: all(self.positions[tp] >= end for tp, end in ends.items()), timeout=timeout,
+                         what=lambda: f"read {self.topic} up to {ends}: at {self.positions}")
 
     async def wait_count(self, count: int, timeout: float) -> None:
         with anyio.move_on_after(timeout):

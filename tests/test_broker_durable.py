@@ -22,8 +22,8 @@ from kafka_fixtures import (  # noqa: E402
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 from schemas import ConfigError, config_from_dict, decode_answer  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures"]
@@ -85,7 +85,7 @@ async def test_questions_taken_before_a_restart_are_answered_once(durable_broker
     engine = HoldingEngine()
     async with running_worker(cfg, engine):
         sent = await produce(bootstrap, cfg.questions_topic, [question(f"q{i}") for i in range(10)])
-        await wait_until(lambda: len(engine.received) == 10)
+        await eventually(lambda: len(engine.received) == 10)
         await durable_broker.arestart(kill=True)
         engine.release.set()
         sent += await produce(bootstrap, cfg.questions_topic, [question(f"r{i}") for i in range(10)])

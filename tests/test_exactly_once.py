@@ -45,8 +45,8 @@ from kafka_fixtures import (
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually
 from serve_fixtures import ROOT, KevProcess, free_port, kev_processes, log_events, serve_env, wait_log
 from structlog.testing import capture_logs
 
@@ -344,7 +344,7 @@ async def test_a_commit_whose_caller_is_cancelled_midway_still_settles_and_the_s
     async with running_worker(cfg) as worker:
         await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q0")])
         txn = worker.committer._owned[Partition(cfg.questions_topic, 0)]
-        await wait_until(lambda: txn.began is not None and txn.in_play == 0 and txn.deferred)
+        await eventually(lambda: txn.began is not None and txn.in_play == 0 and txn.deferred)
         manager = txn.producer._txn_manager
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
@@ -375,7 +375,7 @@ async def test_a_broker_away_for_a_while_gets_the_answer_once_and_commits_it_wit
             async with running_worker(cfg, engine, consumer_options={}, publish_retry_s=60.0,
                                       producer_options={"request_timeout_ms": 1000}) as worker:
                 await produce(cfg.bootstrap_servers, cfg.questions_topic, [question("q0")])
-                await wait_until(lambda: len(engine.received) == 1)
+                await eventually(lambda: len(engine.received) == 1)
                 await broker.astop(kill=True)  # at once: SIGTERM waits seconds for the connected producers
                 engine.release.set()
                 await anyio.sleep(2.5)
@@ -465,7 +465,7 @@ async def test_a_zombie_paused_past_its_session_cannot_commit(kafka_broker, tmp_
             answers = await committed_answers(cfg, 6)
             await wait_committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, ends)
             zombie.send_signal(signal.SIGCONT)  # it finds its group moved on and tries to commit what it sent
-            await wait_until(lambda: "transaction.aborted" in log.read_text() or zombie.poll() is not None,
+            await eventually(lambda: "transaction.aborted" in log.read_text() or zombie.poll() is not None,
                              timeout=30)
             assert successor.statistics().transactions >= 1
         again = await committed_answers(cfg, 6)

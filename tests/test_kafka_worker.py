@@ -24,8 +24,8 @@ from kafka_fixtures import (  # noqa: E402
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 from schemas import decode_answer, decode_delta  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures"]
@@ -50,22 +50,29 @@ def last_offsets(sent, partitions):
 
 
 async def test_answers_are_published_and_offsets_committed_only_after_the_ack(kafka_broker):
-    cfg = kafka_config(kafka_broker)
+    # The six held questions on partitions 0 and 1; partition 2 gets one the worker settles at once.
+    cfg = kafka_config(kafka_broker, partitions=3)
     bootstrap = kafka_broker.bootstrap_servers
     engine = HoldingEngine()
     async with running_worker(cfg, engine) as worker:
-        sent = await produce(bootstrap, cfg.questions_topic,
-                             [question(f"q{i}", f"prompt {i}", request_id=f"r{i}") for i in range(6)])
-        await wait_until(lambda: len(engine.received) == 6)
-        await anyio.sleep(0.5)  # five commit intervals: nothing is settled, so nothing may be committed
-        assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 2) == {0: None, 1: None}
+        sent = []
+        for partition in (0, 1):
+            held = [question(f"q{i}", f"prompt {i}", request_id=f"r{i}") for i in range(partition, 6, 2)]
+            sent += await produce(bootstrap, cfg.questions_topic, held, partition=partition)
+        await eventually(lambda: len(engine.received) == 6)
+        # An error answer needs no engine: once its offset is committed, a commit has been made while the six
+        # were in flight, and it had to leave their partitions alone.
+        bad = await produce(bootstrap, cfg.questions_topic, [question("bad", params={"temperature": 99})],
+                            partition=2)
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: None, 1: None, 2: 1})
         assert worker.statistics().in_flight == 6
 
         engine.release.set()
-        answers = by_key(await read_topic(bootstrap, cfg.answers_topic, 6))
-        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
+        answers = by_key(await read_topic(bootstrap, cfg.answers_topic, 7))
+        await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent + bad, 3))
 
-    assert sorted(answers) == [f"q{i}" for i in range(6)]
+    assert sorted(answers) == ["bad"] + [f"q{i}" for i in range(6)]
+    assert decode_answer(answers["bad"].value).error.code == "invalid_field"
     for i in range(6):
         record = answers[f"q{i}"]
         assert dict(record.headers) == {"schema": b"1", "content-type": b"application/json",
@@ -142,7 +149,7 @@ async def test_a_full_inbox_pauses_the_partitions_and_a_drained_one_resumes_them
     engine = StandInEngine(open_gate=False)
     async with running_worker(cfg, engine, buffer=2) as worker:
         await produce(bootstrap, cfg.questions_topic, [question(f"bp{i}") for i in range(40)])
-        await wait_until(lambda: worker.statistics().paused == worker.statistics().assigned)
+        await eventually(lambda: worker.statistics().paused == worker.statistics().assigned)
         await anyio.sleep(0.5)
         stats = worker.statistics()
         assert stats.pauses >= 1 and len(stats.paused) == 2
@@ -151,7 +158,7 @@ async def test_a_full_inbox_pauses_the_partitions_and_a_drained_one_resumes_them
 
         engine.gate.set()
         answers = await read_topic(bootstrap, cfg.answers_topic, 40, linger=0)
-        await wait_until(lambda: worker.statistics().in_flight == 0)
+        await eventually(lambda: worker.statistics().in_flight == 0)
         stats = worker.statistics()
 
     assert sorted(r.key.decode() for r in answers) == sorted(f"bp{i}" for i in range(40))
@@ -165,7 +172,7 @@ async def test_a_question_id_seen_again_is_not_answered_twice(kafka_broker):
     async with running_worker(cfg, engine) as worker:
         # Redelivered while the first delivery is still being answered ...
         await produce(bootstrap, cfg.questions_topic, [question("twice"), question("twice")])
-        await wait_until(lambda: worker.statistics().records == 2)
+        await eventually(lambda: worker.statistics().records == 2)
         engine.release.set()
         await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
         # ... and again after it was answered; then another question, whose commit carries the skipped one's
@@ -189,16 +196,18 @@ async def test_revoked_partitions_commit_what_is_settled(kafka_broker):
     async with running_worker(cfg, commit_debounce_s=600.0) as worker:
         sent = await produce(bootstrap, cfg.questions_topic, [question(f"rv{i}") for i in range(4)])
         await read_topic(bootstrap, cfg.answers_topic, 4, linger=0)
-        await wait_until(lambda: worker.statistics().in_flight == 0)
+        await eventually(lambda: worker.statistics().in_flight == 0)
         assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 2) == {0: None, 1: None}
 
         newcomer = AIOKafkaConsumer(cfg.questions_topic, bootstrap_servers=bootstrap, group_id=cfg.group_id,
                                     enable_auto_commit=False, **FAST_GROUP)
         await newcomer.start()
         try:
-            with anyio.fail_after(20):
-                while not newcomer.assignment():
-                    await newcomer.getmany(timeout_ms=100)
+            async def newcomer_assigned():
+                await newcomer.getmany(timeout_ms=100)
+                return newcomer.assignment()
+
+            await eventually(newcomer_assigned, timeout=20, every=0)
             await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, last_offsets(sent, 2))
         finally:
             await newcomer.stop()
@@ -245,7 +254,7 @@ async def test_a_settled_record_is_committed_promptly_without_waiting_for_the_in
     bootstrap = kafka_broker.bootstrap_servers
     async with running_worker(cfg) as worker:
         await produce(bootstrap, cfg.questions_topic, [question("prompt")])
-        await wait_until(lambda: worker.statistics().answers == 1)
+        await eventually(lambda: worker.statistics().answers == 1)
         await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 1}, timeout=2.0)
 
 
@@ -262,7 +271,7 @@ async def test_a_cancelled_worker_commits_what_is_settled_and_nothing_more(kafka
         await produce(bootstrap, cfg.questions_topic, [question("s0"), question("s1"), question("stuck"),
                                                        question("s3")])
         await read_topic(bootstrap, cfg.answers_topic, 3, linger=0)
-        await wait_until(lambda: worker.statistics().answers == 3)
+        await eventually(lambda: worker.statistics().answers == 3)
         # Settled offsets are committed promptly (s0, s1 may already be), never past "stuck".
         assert (await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1))[0] in (None, 2)
         tg.cancel_scope.cancel()
@@ -303,9 +312,9 @@ async def test_answers_of_a_partition_that_moved_away_are_left_to_its_new_owner(
             sent += await produce(bootstrap, cfg.questions_topic, [question(n) for n in names[partition::2]],
                                   partition=partition)
         names = names[0::2] + names[1::2]
-        await wait_until(lambda: len(held.received) == 6)
+        await eventually(lambda: len(held.received) == 6)
         async with running_worker(cfg) as second:
-            await wait_until(lambda: len(first.statistics().assigned) == 1 == len(second.statistics().assigned))
+            await eventually(lambda: len(first.statistics().assigned) == 1 == len(second.statistics().assigned))
             (moved,) = second.statistics().assigned
             on_moved = {name for name, (partition, _) in zip(names, sent) if partition == moved.partition}
             assert len(on_moved) == 3

@@ -21,8 +21,8 @@ from kafka_fixtures import (  # noqa: E402
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 
 from schemas import TrustConfig, decode_answer  # noqa: E402
 from schemas.signing import QUESTION, Signer  # noqa: E402
@@ -118,7 +118,7 @@ async def test_the_same_id_from_another_tenant_of_the_same_key_is_another_questi
             signed(question("q-1", "for acme", tenant="acme")), signed(question("q-1", "for umbrella",
                                                                                 tenant="umbrella"))])
         public = await read_topic(bootstrap, cfg.answers_topic, 2)
-        await wait_until(lambda: len(engine.received) == 2)
+        await eventually(lambda: len(engine.received) == 2)
 
     assert sorted((principal_header(r), decode_answer(r.value).text) for r in public) == [
         (b"gw/acme", "echo: for acme"), (b"gw/umbrella", "echo: for umbrella")]

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import anyio
 import msgspec
@@ -56,11 +57,12 @@ from kafka_fixtures import (  # noqa: E402
     produce,
     produce_records,
     question,
+    read_to_end,
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 from serve_fixtures import (  # noqa: E402
     KevProcess,
     free_port,
@@ -85,6 +87,10 @@ def anyio_backend():
 async def health(port: int) -> tuple[int, bytes]:
     status, _, body = await http_get(port, "/health")
     return status, body.encode()
+
+
+async def healthy(port: int) -> bool:
+    return (await health(port))[0] == 200
 
 
 class BigAnswerEngine(StandInEngine):
@@ -174,11 +180,11 @@ async def test_a_refused_answers_topic_is_retried_then_the_worker_stops_and_comm
             tg.start_soon(StandInEngine(), questions_in, answers_out)
             await tg.start(run_worker)
             await worker.wait_assigned()
-            await wait_until(worker.healthy)
+            await eventually(worker.healthy)
             assert await health(port) == (200, b'{"status":"ok"}')
             began = time.monotonic()
             await produce(bootstrap, cfg.questions_topic, [question("q0")])
-            await wait_until(lambda: bool(failures), timeout=30)
+            await eventually(lambda: bool(failures), timeout=30)
             took = time.monotonic() - began
             assert await health(port) == (503, b'{"status":"unhealthy"}')
     assert "cannot publish answers to topic 'answers topic that cannot be' (2." in str(failures[0])
@@ -195,21 +201,30 @@ async def test_a_broker_away_for_a_while_gets_the_answer_once_back_and_only_then
     engine = HoldingEngine()
     producer = {"bootstrap_servers": answers_broker.bootstrap_servers, "request_timeout_ms": 1000}
     try:
-        async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=60.0) as worker:
-            await produce(bootstrap, cfg.questions_topic, [question("q0")])
-            await wait_until(lambda: len(engine.received) == 1)
-            await answers_broker.astop()
-            engine.release.set()
-            await wait_until(lambda: worker.statistics().answers == 0 and worker.tracker.in_flight() == 1)
-            await anyio.sleep(2.5)  # two request timeouts: retried meanwhile, and nothing acked, so nothing committed
-            assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
-            await answers_broker.astart()
-            records = await read_topic(answers_broker.bootstrap_servers, cfg.answers_topic, 1, timeout=30)
-            await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 1})
-            assert worker.healthy()
+        with capture_logs() as logs:
+            async with running_worker(cfg, engine, producer_options=producer, publish_retry_s=60.0) as worker:
+                await produce(bootstrap, cfg.questions_topic, [question("q0")])
+                await eventually(lambda: len(engine.received) == 1)
+                await answers_broker.astop()
+                engine.release.set()
+                # Two sends of the answer failed (a request timeout each): the worker has it and holds it,
+                # unacked, so nothing may be committed.
+                await eventually(lambda: len(retried(logs, "q0")) >= 2, timeout=30)
+                assert worker.statistics().answers == 0 and worker.tracker.in_flight() == 1
+                assert await committed(bootstrap, cfg.group_id, cfg.questions_topic, 1) == {0: None}
+                await answers_broker.astart()
+                records = await read_topic(answers_broker.bootstrap_servers, cfg.answers_topic, 1, timeout=30)
+                await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 1})
+                assert worker.healthy()
     finally:
         answers_broker.stop()
     assert [decode_answer(r.value).question_id for r in records] == ["q0"]
+
+
+def retried(logs: list[dict], question_id: str, topic: str | None = None) -> list[dict]:
+    """The `publish_retrying` events of `question_id`'s records (on `topic`, if given)."""
+    return [e for e in logs if e["event"] == "publish_retrying" and e["question_id"] == question_id
+            and topic in (None, e["topic"])]
 
 
 def test_each_of_aiokafkas_errors_is_sorted_into_retry_another_record_avoid_the_topic_or_stop():
@@ -298,16 +313,18 @@ async def test_a_reply_topic_whose_broker_is_away_for_a_while_still_gets_its_ans
                 await produce_records(bootstrap, cfg.questions_topic, [signed("warm", cfg, reply_topic=reply_topic),
                                                                        signed("held", cfg, reply_topic=reply_topic)])
                 await read_topic(elsewhere, reply_topic, 1, linger=0)  # the reply topic is known and written
-                await wait_until(lambda: len(engine.received) == 2)
+                await eventually(lambda: len(engine.received) == 2)
                 await answers_broker.astop()
                 engine.release.set()
-                await anyio.sleep(2.5)
+                # Away for two request timeouts: "held"'s answer was tried on its reply topic and failed twice.
+                await eventually(lambda: len(retried(logs, "held", reply_topic)) >= 2, timeout=30)
                 await answers_broker.astart()
                 held = await read_topic(elsewhere, reply_topic, 2, timeout=75, linger=0)  # the topic kept "warm"
                 await produce_records(bootstrap, cfg.questions_topic, [signed("after", cfg, reply_topic=reply_topic)])
                 on_reply = await read_topic(elsewhere, reply_topic, 3, timeout=75, linger=0)
-                on_answers = await read_topic(elsewhere, cfg.answers_topic, 0, linger=0.5)
+                # All three settled: whatever the worker sent for them is acked, so on the topic by now.
                 await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
+                on_answers = await read_to_end(elsewhere, cfg.answers_topic)
     finally:
         answers_broker.stop()
     # The reply topic was auto-created with the broker's default partitions: no order across them.
@@ -341,7 +358,7 @@ async def test_a_reply_topic_the_broker_refuses_ends_answers_as_dead_letters_and
                                                                           timeout_ms=1500)])
             dead = await read_topic(bootstrap, cfg.dlq_topic, 3, timeout=20, linger=0.3)
             await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 3})
-            answers = await read_topic(bootstrap, cfg.answers_topic, 0, linger=0.3)
+            answers = await read_to_end(bootstrap, cfg.answers_topic)
     assert answers == []
     assert [r.key for r in dead] == [b"first", b"while-avoided", b"after-expiry"]
     assert all(dict(r.headers)["dlq.reason"] == b"reply_topic_unwritable" for r in dead)
@@ -386,14 +403,14 @@ async def test_a_broker_that_stays_away_ends_the_worker_publish_retry_s_after_th
                 await worker.wait_assigned()
                 await produce(bootstrap, cfg.questions_topic, [question("warm"), question("held")])
                 await read_topic(answers_broker.bootstrap_servers, cfg.answers_topic, 1, linger=0)
-                await wait_until(lambda: len(engine.received) == 2)
+                await eventually(lambda: len(engine.received) == 2)
                 await answers_broker.astop()
                 assert worker.healthy()
                 engine.release.set()
                 sent = time.monotonic()
-                await wait_until(lambda: not worker.healthy(), timeout=30)
+                await eventually(lambda: not worker.healthy(), timeout=30)
                 gave_up = time.monotonic() - sent
-                await wait_until(lambda: bool(failures), timeout=30)
+                await eventually(lambda: bool(failures), timeout=30)
     finally:
         answers_broker.stop()
     assert "cannot publish answers" in str(failures[0][1]) and "no ack within 2s of the first send" in str(failures[0][1])
@@ -446,14 +463,11 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
                               broker.bootstrap_servers], env, tmp_path / "serve.log")
             children.append(kev)
             await wait_log(kev, "partitions_assigned", 90)
-            with anyio.fail_after(90):
-                while (await health(port))[0] != 200:
-                    await anyio.sleep(0.1)
+            await eventually(partial(healthy, port), timeout=90, every=0.1)
             await produce(broker.bootstrap_servers, kafka.questions_topic,
                           [question("slow", "Write a long story.", params={"max_new_tokens": 900})])
-            with anyio.fail_after(30):  # taken: stop the broker before its answer is ready
-                while not _in_flight(await _scrape(port)):
-                    await anyio.sleep(0.02)
+            # Taken: stop the broker before its answer is ready.
+            await eventually(partial(in_flight, port), timeout=30, every=0.02)
             # Killed: Tansu's SIGTERM waits for its clients (5 s with transactional producers connected),
             # long enough for the answer to go out first.
             await broker.astop(kill=True)
@@ -469,12 +483,9 @@ async def test_kev_serve_exits_1_when_answers_cannot_be_published(tiny_model_dir
     print(f"\nexited {rc} {took:.1f}s after the broker stopped")
 
 
-async def _scrape(port: int) -> str:
-    return (await http_get(port, "/metrics"))[2]
-
-
-def _in_flight(metrics_text: str) -> bool:
-    for line in metrics_text.splitlines():
+async def in_flight(port: int) -> bool:
+    """The worker's metrics say it holds a question."""
+    for line in (await http_get(port, "/metrics"))[2].splitlines():
         if line.startswith("kev_kafka_in_flight "):
             return float(line.split()[1]) >= 1
     return False

@@ -24,8 +24,8 @@ from kafka_fixtures import (  # noqa: E402
     read_topic,
     running_worker,
     wait_committed,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 
 from consumers import Inbound, KafkaWorker, Outbound  # noqa: E402
 from schemas import AnswerDelta, LimitsConfig, TrustConfig, decode_answer, decode_delta  # noqa: E402
@@ -138,7 +138,7 @@ async def test_each_attempt_streams_under_its_own_id_and_a_redelivery_is_a_new_a
         await tg.start(first.run)
         await produce_records(bootstrap, cfg.questions_topic, [(None, question("twice", stream=True), [])])
         await read_topic(bootstrap, cfg.deltas_topic, 3, linger=0)
-        await wait_until(lambda: first.statistics().deltas == 3)
+        await eventually(lambda: first.statistics().deltas == 3)
         tg.cancel_scope.cancel()
 
     second = StreamingEngine(answers=True)

@@ -23,8 +23,8 @@ from kafka_fixtures import (  # noqa: E402
     question,
     read_topic,
     running_worker,
-    wait_until,
 )
+from polling import eventually  # noqa: E402
 
 from schemas import (  # noqa: E402
     AdaptersConfig,
@@ -87,7 +87,7 @@ async def test_only_signed_questions_keep_their_server_side_fields(kafka_broker,
         ])
         private = await answers_on(bootstrap, replies, 1)
         public = await answers_on(bootstrap, cfg.answers_topic, 4)
-        await wait_until(lambda: len(engine.received) == 4)
+        await eventually(lambda: len(engine.received) == 4)
 
     got = seen(engine)
     for qid in ("forger", "impostor"):  # served, as if the fields had not been sent
