@@ -25,21 +25,20 @@ from engine.kernels.backend import FLASH
 from engine.kernels.flash import FlashAttention
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
-from engine.kv.prefix_cache import chain_hashes, prefix_salt
 from engine.model.logprobs import attach_logprobs
 from engine.model.runner import ModelRunner
 from engine.normalization import normalized
 from engine.options import EngineOptions
 from engine.output.processor import OutputProcessor, StepEvents, TokenDelta
+from engine.prefix_sharing import PrefixSharing
 from engine.routing_embedding import EmbeddingHash
 from engine.samples import check_samples, private_salt, sample_ids, sample_params
-from engine.schedule.deadlines import deadline, expired_message
+from engine.schedule.deadlines import clock_start, deadline, expired_message
 from engine.schedule.routing import Router
 from engine.schedule.scheduler import Overloaded, PromptTooLong, Scheduler
 from engine.sequence import Sequence, Status
 from engine.speculate.setup import build_speculation
 from engine.step_hook import StepHook
-from engine.system_prefix import SystemPrefix
 from schemas import AnswerEvent, QuestionEvent
 from schemas.principal import ANONYMOUS, Principal
 
@@ -76,7 +75,7 @@ class EngineCore:
         self.loras = LoraPool(model, options.max_loras)
         # waiting for a resident adapter slot, by sample name: its question and its samples' salt
         self._awaiting_adapter: dict[str, tuple[QuestionEvent, str | None]] = {}
-        self.system_prefix = SystemPrefix(model.tokenizer) if options.prefix_system_only else None
+        self.prefix_sharing = PrefixSharing(model, options, self.block_size)
         self.stop_token_ids = tuple(model.spec.eos_token_ids)
         self.router = Router(options.routing_strategy, options.routing_buckets,
                              EmbeddingHash.for_model(model) if options.routing_strategy == "semantic_hash" else None)
@@ -153,7 +152,7 @@ class EngineCore:
             logprobs=None if params.logprobs is None else [],
         )
         if not seq.awaits_adapter:  # else once it holds its adapter: the prefix cache's salt names the version
-            self._share_prefix(question, seq, salt)
+            self.prefix_sharing.share(question, seq, salt)
         seq.routing_bucket = self.router.bucket(question, seq.num_prompt_tokens)
         seq.normalized = self.options.normalize and normalized(question) is not question
         try:
@@ -183,11 +182,11 @@ class EngineCore:
         Counted from its publish time (engine.schedule.deadlines.published_at), or from its arrival
         when it was not published earlier.
         """
-        return deadline(_clock_start(arrival, published), self._timeout_ms(question))
+        return deadline(clock_start(arrival, published), self._timeout_ms(question))
 
     def _expire(self, question: QuestionEvent, arrival: float, published: float | None, now: float) -> Sequence:
         """End a question that is past its deadline on arrival: answered at the next step, never computed."""
-        why = expired_message(_clock_start(arrival, published), arrival, self._timeout_ms(question), now)
+        why = expired_message(clock_start(arrival, published), arrival, self._timeout_ms(question), now)
         seq = self._never_computed(question, arrival, Status.TIMEOUT, why)
         log.info("question.expired", question_id=question.question_id, why=why)
         return seq
@@ -216,22 +215,6 @@ class EngineCore:
     def _timeout_ms(self, question: QuestionEvent) -> int | None:
         return question.timeout_ms or self.options.default_timeout_ms
 
-    def _share_prefix(self, question: QuestionEvent, seq: Sequence, samples_salt: str | None = None) -> None:
-        """Give `seq` its prefix-cache salt (isolation.level system_prefix or shared); under system_prefix its
-        hash chain stops at the last block wholly inside its prompt's system part, so no other block of it is
-        ever named in the cache, nor read from it. `samples_salt`: a question's samples share their whole
-        prompt with each other alone where the level shares less than that with others."""
-        tenant = question.tenant if self.options.prefix_scope == "tenant" else None
-        if samples_salt is not None and (not self.options.prefix_caching or self.system_prefix is not None):
-            seq.cache_salt = prefix_salt(str(self.model.path), tenant, samples_salt, seq.cache_namespace)
-            return
-        if not self.options.prefix_caching:
-            return
-        seq.cache_salt = prefix_salt(str(self.model.path), tenant, question.cache_salt, seq.cache_namespace)
-        if self.system_prefix is not None:
-            system = self.system_prefix.length(question, seq.prompt_ids)
-            seq.prefix_hashes = chain_hashes(seq.cache_salt, seq.prompt_ids[:system], self.block_size)
-
     def _adapter_slot(self, seq: Sequence) -> bool:
         """The scheduler's offer to a question waiting for its adapter, as its turn to be admitted comes: True
         once it holds the adapter's current version; False while every resident slot is in use, or when the
@@ -245,7 +228,7 @@ class EngineCore:
         if seq.lora is None:
             return False
         question, samples_salt = self._awaiting_adapter.pop(seq.question_id)
-        self._share_prefix(question, seq, samples_salt)
+        self.prefix_sharing.share(question, seq, samples_salt)
         return True
 
     def cancel(self, question_id: str) -> bool:
@@ -309,7 +292,3 @@ class EngineCore:
         self._awaiting_adapter.pop(seq.question_id, None)  # ended (a timeout, a cancel) before it got its adapter
         return self.output.answer(seq)
 
-
-def _clock_start(arrival: float, published: float | None) -> float:
-    """Where a deadline counts from: the publish time, or the arrival when it was not published earlier."""
-    return arrival if published is None else min(published, arrival)

@@ -28,6 +28,11 @@ def published_at(published_ms: int | None, *, wall: Callable[[], float] = time.t
     return clock() - age_s
 
 
+def clock_start(arrival: float, published: float | None) -> float:
+    """Where a deadline counts from: the publish time, or the arrival when it was not published earlier."""
+    return arrival if published is None else min(published, arrival)
+
+
 def deadline(start: float, timeout_ms: int | None) -> float | None:
     """`start` + the timeout, on the same clock; None when there is no timeout."""
     return start + timeout_ms / 1000 if timeout_ms else None
