@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterable
 from functools import partial
 
 import anyio
@@ -22,7 +23,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
-from kafka_fixtures import committed, kafka_config, read_topic  # noqa: E402
+from kafka_fixtures import committed, kafka_config, read_topic, wait_committed  # noqa: E402
 from serve_fixtures import (  # noqa: E402
     FAST_SESSION,
     STARTUP_TIMEOUT,
@@ -81,6 +82,14 @@ async def publish_one_batch(bootstrap: str, topic: str, items: list[tuple[str, b
         await producer.stop()
 
 
+def commit_positions(sent: Iterable[tuple[int, int]], partitions: int) -> dict[int, int | None]:
+    """The committed positions that cover every record sent as (partition, offset): the last one's + 1."""
+    expected: dict[int, int | None] = dict.fromkeys(range(partitions))
+    for partition, offset in sent:
+        expected[partition] = max(expected[partition] or 0, offset + 1)
+    return expected
+
+
 # -- 1. in process ------------------------------------------------------------------------------------
 
 @pytest.mark.kafka
@@ -136,9 +145,7 @@ async def test_serve_answers_each_question_once_and_commits_after_drain(kafka_br
         assert answer.audit.worker == running.worker
 
     # The group's committed offsets cover every question: the next offset past the last one per partition.
-    expected = {p: None for p in range(kafka.partitions)}
-    for partition, offset in positions.values():
-        expected[partition] = max(expected[partition] or 0, offset + 1)
+    expected = commit_positions(positions.values(), kafka.partitions)
     got = await committed(kafka.bootstrap_servers, kafka.group_id, kafka.questions_topic, kafka.partitions)
     got = {p: (c if c is not None and c >= 0 else None) for p, c in got.items()}
     assert got == expected
@@ -178,7 +185,7 @@ async def test_kev_serve_drains_and_exits_0_on_sigterm(kafka_broker, tiny_model_
             assert took < drain_deadline, f"took {took:.1f}s to stop"
 
             await reader.wait_for({qid for qid, _ in second} | {"first"}, 10, "answer after SIGTERM")
-            await anyio.sleep(0.5)  # catch a second answer, if any
+            await reader.caught_up()  # kev is gone: every answer it sent, a second one included, is read
             tg.cancel_scope.cancel()
 
     counts = Counter(answer.question_id for answer in reader.answers)
@@ -224,7 +231,11 @@ async def test_two_workers_one_killed_survivor_answers_everything(kafka_broker, 
             by_victim = {a.question_id for a in reader.answers if a.audit.worker == first_worker}
 
             await reader.wait_for({qid for qid, _ in items}, 120, f"answer: {survivor.describe()}")
-            await anyio.sleep(1.0)  # catch late duplicates
+            # The survivor's commits cover every question: each answer it owes, a late duplicate included,
+            # is acked, and once the reader is at the topic's end it has read them all.
+            await wait_committed(kafka.bootstrap_servers, kafka.group_id, kafka.questions_topic,
+                                 commit_positions(positions.values(), kafka.partitions), timeout=60)
+            await reader.caught_up()
             tg.cancel_scope.cancel()
         assert survivor.running(), survivor.describe()
         survivor.signal(signal.SIGTERM)
