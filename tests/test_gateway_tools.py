@@ -57,14 +57,24 @@ def test_blocks_become_openai_tool_calls_and_the_rest_stays_text():
     "<tool_call>\n{\"name\": \"get_time\", \"arguments\": [1]}\n</tool_call>",  # arguments not an object
     "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"",  # cut by max_tokens: unclosed
     "Plain text, no calls.",
+    '{"name": "get_time", "arguments": {"zone": "CET"}} and some words',  # an object, then more: text
+    '{"answer": 42}',
 ])
 def test_what_is_not_a_call_to_a_listed_tool_stays_text(text):
     message, called = message_with_calls(text, NAMES, parallel=True)
     assert not called and "tool_calls" not in message and message["content"] == text
 
 
-def test_a_stream_in_any_pieces_assembles_to_the_whole_message():
-    text = f"  Checking two things. {CALL}\n{CLOCK_CALL}\nDone <tool_ca"
+def test_an_answer_that_is_only_a_call_without_tags_is_a_call():
+    message, called = message_with_calls('\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', NAMES, True)
+    assert called and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+
+
+@pytest.mark.parametrize("text", [f"  Checking two things. {CALL}\n{CLOCK_CALL}\nDone <tool_ca",
+                                  ' {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}',
+                                  '{"name": "get_weather"} is what I would call, with ' + CALL])
+def test_a_stream_in_any_pieces_assembles_to_the_whole_message(text):
     whole, _ = message_with_calls(text, NAMES, parallel=True)
     rng = random.Random(45)
     for _ in range(20):
@@ -75,14 +85,17 @@ def test_a_stream_in_any_pieces_assembles_to_the_whole_message():
             at += size
         deltas += reader.end()
         calls = [call for d in deltas for call in d.get("tool_calls", ())]
-        assert [c["index"] for c in calls] == [0, 1]
+        assert [c["index"] for c in calls] == list(range(len(whole.get("tool_calls", ()))))
         assert all(len(d) == 1 for d in deltas)  # each delta is content or one call, whole
         for call in calls:
             del call["index"]
-        streamed = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas), "refusal": None,
-                    "tool_calls": calls}
+        streamed = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas) or None,
+                    "refusal": None, "tool_calls": calls}
+        if not calls:
+            del streamed["tool_calls"]
         assert without_ids(streamed) == without_ids(whole)
-    assert whole["content"] == "Checking two things.\nDone <tool_ca"
+    assert whole["content"] in ("Checking two things.\nDone <tool_ca", None, '{"name": "get_weather"} is what I '
+                                "would call, with")
 
 
 # -- the request's checks --------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ stream assembles to exactly the whole answer's message.
 
 A block is a call when its body is a JSON object with a `name` of one of the request's tools and object
 `arguments`; anything else stays text, as written (an unclosed block too: an answer cut by max_tokens).
+An answer that is nothing but such an object, without the tags, is a call too: small models (Qwen2.5-Coder-
+0.5B under `auto`) often leave them out. So an answer that begins with `{` is held until it ends.
 Whitespace between calls and around the text is not content. With `parallel_tool_calls: false` only the
 first call is kept (under `required` or a named function the grammar already allows one).
 """
@@ -32,9 +34,33 @@ class CallReader:
         self._in_block = False
         self._space = ""  # whitespace held back: content only if more text follows it
         self._started = False  # some content given out
+        self._bare: bool | None = None  # whether the answer begins with `{` (None: only whitespace so far)
+        self._held = ""  # the answer so far, while it may be a call without tags
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas this much more text completes (possibly none)."""
+        if self._bare is False:
+            return self._scan(text)
+        self._held += text
+        if self._bare is None and self._held.strip():
+            self._bare = self._held.lstrip().startswith("{")
+            if not self._bare:
+                held, self._held = self._held, ""
+                return self._scan(held)
+        return []
+
+    def end(self) -> list[dict[str, Any]]:
+        """The deltas of what is left once the answer is complete: an unclosed block is text."""
+        held, self._held = self._held, ""
+        if self._bare:
+            self._bare = False
+            call = _call(held.strip(), self.names)
+            return self._called(call) if call is not None else self._scan(held) + self.end()
+        rest = (OPEN if self._in_block else "") + self._pending
+        self._pending, self._in_block = "", False
+        return self._text(rest)
+
+    def _scan(self, text: str) -> list[dict[str, Any]]:
         self._pending += text
         out: list[dict[str, Any]] = []
         while True:
@@ -54,12 +80,6 @@ class CallReader:
             self._pending = self._pending[len(self._pending) - keep:]
         return out
 
-    def end(self) -> list[dict[str, Any]]:
-        """The deltas of what is left once the answer is complete: an unclosed block is text."""
-        rest = (OPEN if self._in_block else "") + self._pending
-        self._pending, self._in_block = "", False
-        return self._text(rest)
-
     def _text(self, text: str) -> list[dict[str, Any]]:
         if not text.strip():
             self._space += text
@@ -78,6 +98,9 @@ class CallReader:
             return self._text(OPEN + body + CLOSE)
         if self.calls and not self.parallel:
             return []
+        return self._called(call)
+
+    def _called(self, call: dict[str, str]) -> list[dict[str, Any]]:
         self._space = ""
         entry = {"index": self.calls, "id": call_id(), "type": "function", "function": call}
         self.calls += 1
