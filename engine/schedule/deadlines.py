@@ -9,9 +9,14 @@ the engine's clock is time.monotonic(), so the publish time is carried over as a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from engine.schedule.step_cost import StepCost
 from engine.sequence import Sequence
+
+# A shared host's step times swing about twofold: a question is given up before it is computed only if
+# it could not make its deadline even at this many times the measured speed.
+FASTEST_PLAUSIBLE = 0.5
 
 
 def published_at(published_ms: int | None, *, wall: Callable[[], float] = time.time,
@@ -72,3 +77,19 @@ def deadline_ending(seq: Sequence, now: float, fastest_prefill_s: Callable[[Sequ
         if needed is not None and now + needed > seq.deadline:
             return unreachable_message(seq.deadline - now, seq.num_tokens, needed), "deadline_unreachable"
     return None
+
+
+def hopeless(seqs: list[Sequence], now: float, costs: StepCost,
+             max_tokens_per_step: int) -> Iterator[tuple[Sequence, str | None, str | None]]:
+    """The questions of `seqs` that end "timeout" now, each with its answer's error and error code
+    (`deadline_ending`): past their deadline, or waiting and unable to meet it even if started now."""
+
+    def fastest_prefill(seq: Sequence) -> float | None:
+        """The least time `seq`'s prompt takes here, at the fastest this worker plausibly runs."""
+        seconds = costs.prefill_seconds(seq.num_tokens, max_tokens_per_step)
+        return None if seconds is None else FASTEST_PLAUSIBLE * seconds
+
+    for seq in seqs:
+        ending = deadline_ending(seq, now, fastest_prefill)
+        if ending is not None:
+            yield seq, *ending

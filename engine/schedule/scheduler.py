@@ -15,9 +15,10 @@ from typing import Callable
 
 from engine.kv.block_pool import BlockPool
 from engine.schedule.admission import Admission
+from engine.schedule.batch_window import seconds_to_hold
 from engine.schedule.channels import Channels
 from engine.schedule.chunks import Filling, chunk_length, new_chunk
-from engine.schedule.deadlines import deadline_ending
+from engine.schedule.deadlines import hopeless
 from engine.schedule.limits import SchedulerLimits
 from engine.schedule.prefix_chain import name_filled_blocks, shared_chain
 from engine.schedule.sharing import Sharing
@@ -27,11 +28,6 @@ from engine.sequence import Sequence, Status
 from engine.step_plan import StepPlan
 
 __all__ = ["Overloaded", "PromptTooLong", "Scheduler", "SchedulerLimits", "StepPlan"]
-
-# A shared host's step times swing about twofold: a question is given up before it is computed only if
-# it could not make its deadline even at this many times the measured speed.
-FASTEST_PLAUSIBLE = 0.5
-
 
 class Overloaded(Exception):
     """The engine cannot take this question now (overflow policy `queue` or `reject`)."""
@@ -110,28 +106,9 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def wait_time(self) -> float | None:
-        """Seconds to hold the next step for company, or for a tenant's quota; 0 = step now, None = idle
-        until an arrival."""
-        if self.running or self.lingering or self._finished:
-            return 0.0
-        if not self.waiting:
-            return None
-        now = self.clock()
-        throttled = self.sharing.retry_in(self.waiting, now)
-        if throttled > 0:
-            return throttled
-        if len(self.waiting) >= self.limits.max_parallel_queries or self._waiting_fill_a_step():
-            return 0.0  # company would not join this step: it is full already
-        oldest = min(seq.arrival for seq in self.waiting)
-        return max(0.0, oldest + self.limits.batch_window_s - now)
-
-    def _waiting_fill_a_step(self) -> bool:
-        budget = self.limits.max_tokens_per_step
-        for seq in self.waiting:
-            budget -= seq.num_uncomputed
-            if budget <= 0:
-                return True
-        return False
+        """Seconds to hold the next step (engine/schedule/batch_window.py); 0 = step now, None = idle."""
+        busy = bool(self.running or self.lingering or self._finished)
+        return seconds_to_hold(self.waiting, busy, self.sharing, self.limits, self.clock)
 
     def schedule(self) -> StepPlan:
         now = self.clock()
@@ -317,14 +294,6 @@ class Scheduler:
 
     def _end_hopeless(self, now: float) -> None:
         """End questions past their deadline, and waiting ones that could not meet it even if started now."""
-        for seq in self.running + self.waiting:
-            ending = deadline_ending(seq, now, self._fastest_prefill)
-            if ending is not None:
-                error, code = ending
-                seq.error, seq.error_code = error or seq.error, code or seq.error_code
-                self.finish(seq, Status.TIMEOUT)
-
-    def _fastest_prefill(self, seq: Sequence) -> float | None:
-        """The least time `seq`'s prompt takes here, at the fastest this worker plausibly runs."""
-        seconds = self.costs.prefill_seconds(seq.num_tokens, self.limits.max_tokens_per_step)
-        return None if seconds is None else FASTEST_PLAUSIBLE * seconds
+        for seq, error, code in hopeless(self.running + self.waiting, now, self.costs, self.limits.max_tokens_per_step):
+            seq.error, seq.error_code = error or seq.error, code or seq.error_code
+            self.finish(seq, Status.TIMEOUT)
