@@ -4,6 +4,7 @@ import math
 
 import anyio
 import pytest
+from polling import eventually
 
 from kev_async.runtime.actors import Mailbox, Request, ask
 
@@ -13,12 +14,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     return request.param
-
-
-async def until(condition, timeout=2.0):
-    with anyio.fail_after(timeout):
-        while not condition():
-            await anyio.sleep(0.001)
 
 
 @pytest.mark.parametrize("capacity", [math.inf, -1, 2.5, None, True])
@@ -39,12 +34,12 @@ async def test_a_full_mailbox_makes_the_sender_wait_and_drops_nothing():
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(producer)
-        await until(lambda: box.stats().senders_waiting == 1)
+        await eventually(lambda: box.stats().senders_waiting == 1, timeout=2, every=0.001)
         stats = box.stats()
         assert (stats.depth, stats.capacity, stats.senders_waiting) == (3, 3, 1)
         assert sent == [0, 1, 2]  # the fourth send waits for room instead of being dropped
         received = [await box.receive.receive() for _ in range(4)]
-        await until(lambda: box.stats().senders_waiting == 1 and box.stats().depth == 3)
+        await eventually(lambda: box.stats().senders_waiting == 1 and box.stats().depth == 3, timeout=2, every=0.001)
         assert sent == [0, 1, 2, 3, 4, 5, 6]
         async with box.receive:
             received += [n async for n in box.receive]

@@ -2,6 +2,7 @@
 
 import anyio
 import pytest
+from polling import eventually
 from structlog.testing import capture_logs
 
 from kev_async.runtime.actors import Mailbox
@@ -87,9 +88,7 @@ async def test_retries_spread_out_in_time_do_not_count_against_the_limit():
     with capture_logs(), idle.send, idle.receive:
         async with anyio.create_task_group() as tg:
             await tg.start(supervisor.run)
-            with anyio.fail_after(2):
-                while len(flaky.starts) < 5:
-                    await anyio.sleep(0.005)
+            await eventually(lambda: len(flaky.starts) >= 5, timeout=2, every=0.005)
             tg.cancel_scope.cancel()
     assert supervisor.restarts == {"slow-crasher": 4}
 
