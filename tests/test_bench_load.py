@@ -8,11 +8,14 @@ import json
 import math
 import random
 import statistics
+import subprocess
 
 import pytest
 
+from kev_async.bench import machine
 from kev_async.bench.load.report import Outcome, Reference, SystemRun, percentile, summarize
 from kev_async.bench.load.trace import MixSpec, build_trace, poisson_arrivals, shared_system_prompt
+from kev_async.bench.machine import cpu_name
 from kev_async.cli import main
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
@@ -126,6 +129,13 @@ def test_kev_bench_load_runs_kev_and_static_batching_and_writes_json_and_plot(ti
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "load-solo-reference.json").exists()  # cached: the second rate reused it
     assert out.count("solo reference: answering") == 1
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert result["commit"] == head and result["cpu"] == cpu_name()  # archived figures name their code and CPU
+
+
+def test_outside_a_clone_the_commit_is_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "_SOURCE_ROOT", tmp_path)  # where an installed package lives: no .git
+    assert machine.run_stamp() == {"commit": None, "cpu": cpu_name()}
 
 
 def test_kev_bench_load_in_deterministic_mode_on_the_library_kernel(tiny_model_dir, tmp_path, capsys):

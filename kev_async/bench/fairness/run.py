@@ -17,7 +17,7 @@ import torch
 from engine import EngineOptions, load_model
 from kev_async.bench.fairness.in_process import Outcome, Samples, run_in_process
 from kev_async.bench.fairness.scenarios import Scenario, backlogs, flood
-from kev_async.bench.machine import cpu_name
+from kev_async.bench.machine import run_stamp
 from kev_async.settings import set_threads
 from schemas import KevConfig
 from schemas.config import TenantConfig
@@ -29,7 +29,7 @@ PATHS = ("in process", "through Kafka")
 def run_fairness(args: argparse.Namespace, scenarios: list[str], paths: list[str], out=print) -> dict:
     set_threads(args.threads)
     model = load_model(args.model)
-    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(), "torch_threads": torch.get_num_threads(),
+    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_stamp(), "torch_threads": torch.get_num_threads(),
               "model": model.name, "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out(f"model {model.name} ({model.dtype}), {result['cpu']}, torch threads {result['torch_threads']}, "
         f"batch {args.batch_size}")

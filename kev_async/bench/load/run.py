@@ -22,7 +22,7 @@ from kev_async.bench.load.report import gap_line, outcomes_json, ratios, summari
 from kev_async.bench.load.solo_reference import solo_reference
 from kev_async.bench.load.trace import MixSpec, TraceQuestion, build_trace, prompt_ids, stream_trace
 from kev_async.bench.load.transformers_static import best_static
-from kev_async.bench.machine import cpu_name
+from kev_async.bench.machine import run_stamp
 from kev_async.bench.model import hf_model
 from kev_async.settings import set_threads
 
@@ -97,7 +97,7 @@ class LoadRun:
         self.options = EngineOptions(**self.option_kwargs)
         self.kev_variants = _kev_variants(self.options, getattr(self.args, "prompt_chunk_tokens", None))
         self.hf = None
-        result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name(),
+        result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), **run_stamp(),
                   "torch_threads": torch.get_num_threads(), "model": self.model.name, "dtype": str(self.model.dtype),
                   "engine_options": self.option_kwargs, "matmul": self.model.weights.matmul_kernel,
                   "args": {k: v for k, v in vars(self.args).items() if k != "func"}, "points": [], "static_sweep": [],
