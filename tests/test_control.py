@@ -11,7 +11,6 @@ sampling defaults), applied by a serving worker without a restart.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import anyio
@@ -20,6 +19,7 @@ import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import kafka_config, produce, produce_records  # noqa: E402
+from polling import eventually  # noqa: E402
 from serve_fixtures import AnswerReader  # noqa: E402
 
 from schemas import (  # noqa: E402
@@ -71,10 +71,8 @@ def events(logs, event: str, **fields) -> list[dict]:
 
 
 async def wait_event(logs, event: str, timeout: float = 20.0, **fields) -> dict:
-    deadline = time.monotonic() + timeout
-    while not (found := events(logs, event, **fields)):
-        assert time.monotonic() < deadline, f"no {event} {fields} after {timeout}s"
-        await anyio.sleep(0.05)
+    """The first captured `event` log entry with `fields`, once there is one."""
+    found = await eventually(lambda: events(logs, event, **fields), timeout=timeout, what=f"{event} {fields}")
     return found[0]
 
 
