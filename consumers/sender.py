@@ -4,13 +4,13 @@
 broker's ack (acks=all) and only then reports the source positions as done. Those tasks run in the
 publisher's task group, so leaving `async with Publisher(...)` waits for every ack in flight.
 
-A failure is sorted by consumers/delivery.py `decide`: a transient one is sent again with backoff
-until `retry_s` after the record's first send (on a caller's reply topic: the record's own window, the
-question's deadline); a record refused for itself, or one its reply topic did not take within its
-window, is replaced by its fallback (consumers/records.py: an error answer, a dead letter; never
-another topic); a reply topic the broker refuses is avoided (consumers/reply_topics.py): its next
-records go to their fallback at once. What is left raises PublishFailed, and the source of that
-record is never settled, so never committed.
+A failure is sorted by consumers/delivery.py `decide` (consumers/failed_records.py): a transient one
+is sent again with backoff until `retry_s` after the record's first send (on a caller's reply topic:
+the record's own window, the question's deadline); a record refused for itself, or one its reply topic
+did not take within its window, is replaced by its fallback (consumers/records.py: an error answer, a
+dead letter; never another topic); a reply topic the broker refuses is avoided
+(consumers/reply_topics.py): its next records go to their fallback at once. What is left raises
+PublishFailed, and the source of that record is never settled, so never committed.
 
 With exactly_once delivery (a `transactions`, consumers/transactions.py) a record that ends a question
 goes out in the open transaction of its questions partition, to partition `questions partition mod
@@ -29,12 +29,13 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from anyio.abc import TaskGroup
 
-from consumers.delivery import Next, PublishFailed, Retries, decide, short_error
+from consumers.delivery import PublishFailed, Retries
+from consumers.failed_records import after_failure, fail_fast
 from consumers.ledger import QuestionLedger
 from consumers.messages import Position
-from consumers.records import Record
-from consumers.reply_topics import ReplyTopics, UnusableReplyTopic
 from consumers.partition_transaction import Deferred, Transaction
+from consumers.records import Record
+from consumers.reply_topics import ReplyTopics
 from consumers.transactions import Transactions
 
 log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
@@ -96,7 +97,7 @@ class Sender:
         `home`: the questions partition of a record that settles none (a delta), for exactly_once's affinity.
         `entered`: the transaction send_together took a place in for it."""
         if record.reply and (unusable := self.reply_topics.unusable(record.topic)) is not None:
-            record = self._fail_fast(record, unusable)
+            record = fail_fast(record, unusable)
             if record is None:
                 if entered is not None:
                     entered.leave()
@@ -248,7 +249,7 @@ class Sender:
             try:
                 return record, await self._ack(record, pending, retries, bounded=not first_of_fallback)
             except Exception as error:  # noqa: BLE001 - every failure is sorted below
-                following = self._after_failure(record, error, retries)
+                following = after_failure(record, error, retries, self.reply_topics)
             if following is None:
                 return None
             first_of_fallback = following is not record
@@ -274,29 +275,3 @@ class Sender:
 
     def _window(self, record: Record) -> float:
         return self.retry_s if record.window_s is None else record.window_s
-
-    def _fail_fast(self, record: Record, unusable: UnusableReplyTopic) -> Record | None:
-        """A record for a reply topic not to be tried now: its fallback instead (a dead letter, or nothing)."""
-        say = log.debug if record.kind == "deltas" else log.warning  # a stream would say it once per delta
-        say("reply_topic_unusable", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
-            reason=str(unusable))
-        return record.fallback(unusable) if record.fallback is not None else None
-
-    def _after_failure(self, record: Record, error: Exception, retries: Retries) -> Record | None:
-        """The record to send next (the same one to retry it), or None to drop it; raises PublishFailed."""
-        step = decide(error, reply=record.reply, exhausted=retries.exhausted(),
-                      own_timestamp=record.timestamp_ms is not None)
-        if step is Next.RETRY:
-            log.warning("publish_retrying", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
-                        attempt=retries.attempts + 1, error=short_error(error))
-            return record
-        if step is Next.AVOID_TOPIC:
-            self.reply_topics.avoid(record.topic)
-        if step is not Next.FAIL and record.fallback is not None:
-            avoided_s = self.reply_topics.avoid_s if step is Next.AVOID_TOPIC else 0
-            log.warning("publish_refused", kind=record.kind, topic=record.topic[:300], question_id=record.question_id,
-                        error=short_error(error), topic_avoided_s=avoided_s)
-            return record.fallback(error)
-        raise PublishFailed(f"cannot publish {record.kind} to topic {record.topic[:300]!r} "
-                            f"({retries.elapsed():.1f}s after its first send, {retries.attempts} retries): "
-                            f"{short_error(error)}") from error
