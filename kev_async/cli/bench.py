@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from importlib import import_module
 
-BENCHES: tuple[str, ...] = ("load", "kafka", "gateway", "peer", "structured", "spec", "isolation", "fairness")
+BENCHES: tuple[str, ...] = ("load", "kafka", "gateway", "batch", "peer", "structured", "spec", "isolation",
+                             "fairness")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
