@@ -5,8 +5,7 @@ through `kev route` (in process) on the embedded broker, once per strategy. The 
 workers' metrics call kev_prefix_cache_hit_rate: prompt tokens read from the cache / prompt tokens,
 summed here over the answers' usage. prefix_hash sends each system prompt to one worker, whose
 cache then holds fewer prefixes; round_robin makes every worker cache every prefix, so a small pool
-evicts them in turn. Built on the drill's runner (kev_async/drill/) with faults off. (prefix_hash was
-named semantic_hash before issue 40, which gave that name to routing by meaning.)
+evicts them in turn. Built on the drill's runner (kev_async/drill/) with faults off.
 
 `python -m benchmarks.routing --semantic` reports on semantic_hash instead (benchmarks/semantic.py).
 """

@@ -41,8 +41,8 @@ class Partitioner:
             raise ValueError(f"router.strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
         if strategy == "semantic_hash" and semantic is None:
             raise ValueError("router.strategy semantic_hash routes by the model's embedding layer: pass semantic= "
-                             "(engine.routing_embedding.EmbeddingHash); the text hash of the system prompt it was "
-                             "before issue 40 is prefix_hash")
+                             "(engine.routing_embedding.EmbeddingHash); to route by a hash of the system prompt's "
+                             "text, use prefix_hash")
         if not isinstance(num_partitions, int):  # aiokafka's partitions_for() gives a set of ids 0..n-1
             num_partitions = len(num_partitions)
         if num_partitions < 1:

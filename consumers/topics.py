@@ -7,8 +7,8 @@ default.replication.factor) and, where set, `kafka.min_insync_replicas`: on a cl
 The control topic is compacted (cleanup.policy=compact): its commands are keyed by what they change
 (schemas.control_key), so Kafka keeps the latest command per key for good and a replay at start-up
 stays short; with the default delete policy, adapters loaded a retention period ago would vanish at
-the next restart. A control topic created before this keeps its policy: alter it with the broker's
-tools (kafka-configs --alter --add-config cleanup.policy=compact).
+the next restart. A control topic that already exists keeps the policy it was created with: alter it
+with the broker's tools (kafka-configs --alter --add-config cleanup.policy=compact).
 """
 
 from __future__ import annotations

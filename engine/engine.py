@@ -224,7 +224,7 @@ class Engine:
 
     def _deliver_from_thread(self, events: StepEvents) -> None:
         # Posted, not waited for: the device thread goes on to the next step while the event loop hands
-        # the tokens out (it used to wait for a busy loop, e.g. a Kafka worker's fetches, every step).
+        # the tokens out, so a loop busy with other work (a Kafka worker's fetches) never holds a step back.
         # The loop runs posted calls in order, and before it learns the thread has ended.
         if events.deltas or events.answers:
             self._post(self._deliver, events)
