@@ -11,6 +11,7 @@ import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures")
 from kafka_fixtures import kafka_config, produce_records  # noqa: E402
+from polling import eventually  # noqa: E402
 
 from schemas import AdaptersConfig, ControlEvent, TrustConfig  # noqa: E402
 from schemas.signing import Signer  # noqa: E402
@@ -186,10 +187,11 @@ async def test_the_audit_tombstones_old_cancels_only_and_holds_its_commit_at_a_y
             records = await read_topic(kafka.bootstrap_servers, kafka.control_topic, 6, linger=1.0)
             # Not past q-young: it is not tombstoned yet, so whoever audits next must read it again.
             group = audit_group(kafka)
-            deadline = time.monotonic() + 20
-            while await _committed(kafka.bootstrap_servers, group, kafka.control_topic) != offsets[1]:
-                assert time.monotonic() < deadline, "the audit never committed up to the young cancel"
-                await anyio.sleep(0.2)
+
+            async def up_to_the_young_cancel() -> bool:
+                return await _committed(kafka.bootstrap_servers, group, kafka.control_topic) == offsets[1]
+
+            await eventually(up_to_the_young_cancel, timeout=20, every=0.2)
             dead = await read_topic(kafka.bootstrap_servers, kafka.dlq_topic, 1, linger=0.5)
             tg.cancel_scope.cancel()
 
@@ -237,8 +239,7 @@ async def test_the_audit_outlives_a_broker_that_is_away_and_then_does_its_work(l
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             await tg.start(partial(run_control_audit, consumer_options=FAST_GROUP, backoff_s=(0.2, 1.0)), kafka)
-            while len(named(logs, "control.audit_failed")) < 2:
-                await anyio.sleep(0.1)
+            await eventually(lambda: len(named(logs, "control.audit_failed")) >= 2, timeout=60, every=0.1)
             async with EmbeddedBroker(port=port) as broker:
                 await create_topics(msgspec.structs.replace(kafka, bootstrap_servers=broker.bootstrap_servers),
                                     {kafka.control_topic: 1, kafka.dlq_topic: 1})
@@ -253,9 +254,11 @@ async def test_the_audit_outlives_a_broker_that_is_away_and_then_does_its_work(l
 # -- a signed command published again later is refused, live and at every replay ---------------------------
 
 async def wait_logged(logs, event: str, timeout: float = 20.0, **fields) -> dict:
-    with anyio.fail_after(timeout):
-        while not (found := [e for e in named(logs, event) if all(e.get(k) == v for k, v in fields.items())]):
-            await anyio.sleep(0.05)
+    """The first captured `event` log entry with `fields`, once there is one."""
+    def matching() -> list[dict]:
+        return [e for e in named(logs, event) if all(e.get(k) == v for k, v in fields.items())]
+
+    found = await eventually(matching, timeout=timeout, what=f"{event} {fields}")
     return found[0]
 
 

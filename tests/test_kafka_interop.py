@@ -1,12 +1,11 @@
 """A second, independent client (confluent-kafka / librdkafka) asks and reads the answer."""
 
-import time
-
 import anyio
 import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures")
 from kafka_fixtures import kafka_config, question, running_worker  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 from schemas import decode_answer  # noqa: E402
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -33,13 +32,12 @@ def confluent_read_one(bootstrap: str, topic: str, timeout: float = 20.0):
     consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": "interop-reader",
                                          "enable.auto.commit": False})
     consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+    def a_record() -> list:  # in a list: a Message with an empty value is falsy
+        message = consumer.poll(0.2)
+        return [message] if message is not None and message.error() is None else []
+
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = consumer.poll(0.2)
-            if message is not None and message.error() is None:
-                return message
-        raise AssertionError(f"no record on {topic} within {timeout}s")
+        return eventually_sync(a_record, timeout=timeout, every=0, what=f"a record on {topic}")[0]
     finally:
         consumer.close()
 
