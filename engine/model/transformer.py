@@ -7,7 +7,6 @@ keeps each question to its own keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -22,6 +21,7 @@ from engine.kernels.layer_stack import LayerStack
 from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
 from engine.kernels.row_linear import RowWeight
+from engine.model.layer_weights import MATRICES, WEIGHT_PREFIXES, LayerWeights, read_layer
 from engine.model.layers import apply_rope, embed, gelu_tanh_mul, rms_norm, rotate, signed_sin, swiglu
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
@@ -34,27 +34,6 @@ class LoraRows(Protocol):
 
     def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += each adapter's delta on x[rows], for its own rows only."""
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor | Int8Weight | PackedWeight | RowWeight  # q, k and v projections fused into one matmul
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up projections fused
-    down: torch.Tensor
-    attn_out_norm: torch.Tensor | None = None  # Gemma: normalises attention's output before the residual
-    mlp_out_norm: torch.Tensor | None = None  # Gemma: normalises the MLP's output before the residual
-
-
-MATRICES = ("qkv", "o_proj", "gate_up", "down")  # a layer's weight matrices
-# Where a checkpoint keeps its decoder: a causal LM's model., Gemma 3's multimodal model.language_model.
-# (language_model.model. as its files on the hub name it)
-WEIGHT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 
 def _row_weight(matrix) -> RowWeight:
@@ -199,7 +178,7 @@ class Transformer:
 
         # A multimodal checkpoint holds its language model under another prefix (its images are not read).
         decoder = next((p for p in WEIGHT_PREFIXES if p + "embed_tokens.weight" in raw), "model.")
-        layers = [_layer(spec, get, norm, raw.__contains__, f"{decoder}layers.{i}.") for i in range(spec.num_layers)]
+        layers = [read_layer(spec, get, norm, raw.__contains__, f"{decoder}layers.{i}.") for i in range(spec.num_layers)]
         embed = get(decoder + "embed_tokens.weight")
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
         if isinstance(rope, tuple):  # one table for every layer (cos, sin)
@@ -273,32 +252,3 @@ class Transformer:
         gate_up = self._project(x, layer.gate_up, lora, index, "gate_up")
         gated = swiglu(gate_up) if self.spec.activation == "silu" else gelu_tanh_mul(gate_up)
         return self._project(gated, layer.down, lora, index, "down")
-
-
-def _layer(spec, get, norm, stored, prefix: str) -> LayerWeights:
-    """One layer's weights, q/k/v and gate/up fused whether the checkpoint stores them apart or (Phi-3,
-    GLM) together; Gemma's four norms."""
-    attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    fused_qkv = stored(attn + "qkv_proj.weight")
-    qkv = get(attn + "qkv_proj.weight") if fused_qkv else torch.cat(
-        [get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight")])
-    bias = None
-    if spec.qkv_bias:
-        bias = get(attn + "qkv_proj.bias") if fused_qkv else torch.cat(
-            [get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias")])
-    gate_up = get(mlp + "gate_up_proj.weight") if stored(mlp + "gate_up_proj.weight") else torch.cat(
-        [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
-    gemma = spec.family == "gemma"
-    return LayerWeights(
-        input_norm=norm(prefix + "input_layernorm.weight"),
-        qkv=qkv,
-        qkv_bias=bias,
-        q_norm=norm(attn + "q_norm.weight") if spec.qk_norm else None,
-        k_norm=norm(attn + "k_norm.weight") if spec.qk_norm else None,
-        o_proj=get(attn + "o_proj.weight"),
-        post_norm=norm(prefix + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-        gate_up=gate_up,
-        down=get(mlp + "down_proj.weight"),
-        attn_out_norm=norm(prefix + "post_attention_layernorm.weight") if gemma else None,
-        mlp_out_norm=norm(prefix + "post_feedforward_layernorm.weight") if gemma else None,
-    )
