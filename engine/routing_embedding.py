@@ -41,7 +41,7 @@ from engine.normalization import normalize_text
 from schemas import QuestionEvent
 
 BITS = 16
-SEED = 40  # issue 40
+SEED = 40  # any fixed value: every process must draw the same hyperplanes
 TEXT_CHARS = 2048  # a long prompt's start says what it is about; tokenizing all of it would cost milliseconds
 EMBEDDING_TENSOR = "model.embed_tokens.weight"
 _CHUNK_ROWS = 4096

@@ -8,8 +8,7 @@ the audit bucket. Lives in `schemas` because both of them may import it and noth
 
 semantic_hash is the one strategy not computed here: it hashes the question's vector from the model's
 embedding layer (engine/routing_embedding.py), so only a process holding the model's files can compute
-it, and it reaches the partitioner as a callable. Until issue 40 "semantic_hash" named the text hash that
-is now prefix_hash.
+it, and it reaches the partitioner as a callable. The hash of the system prompt's text is prefix_hash.
 """
 
 from __future__ import annotations

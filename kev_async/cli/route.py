@@ -66,8 +66,8 @@ async def run_route(cfg, shutdown, *, task_status=anyio.TASK_STATUS_IGNORED) -> 
 
 def semantic_hash(cfg):
     """semantic_hash's partition function for `cfg` (its model's tokenizer and embedding table, about 0.4 s
-    to read), or None for another strategy. Until issue 40 the name meant a text hash of the system prompt,
-    now prefix_hash: the start is logged with a note saying so, for a config written before."""
+    to read), or None for another strategy. The start is logged with a note that the system prompt's text
+    hash is prefix_hash, for a config that meant that."""
     if cfg.router.strategy != "semantic_hash":
         return None
     import structlog
