@@ -8,7 +8,15 @@ import pytest
 from consumers import Outbound
 
 pytest.register_assert_rewrite("kafka_fixtures")
-from kafka_fixtures import committed, kafka_config, produce, question, read_topic, running_worker  # noqa: E402
+from kafka_fixtures import (  # noqa: E402
+    committed,
+    kafka_config,
+    produce,
+    question,
+    read_topic,
+    running_worker,
+    wait_committed,
+)
 from schemas import AnswerEvent, decode_answer  # noqa: E402
 from test_exactly_once import committed_answers  # noqa: E402
 
@@ -57,9 +65,7 @@ async def test_the_samples_go_out_together_and_settle_the_question_at_the_last(k
         engine.last.set()
         records = (await committed_answers(cfg, SAMPLES) if delivery == "exactly_once"
                    else await read_topic(cfg.bootstrap_servers, cfg.answers_topic, SAMPLES))
-        with anyio.fail_after(20):
-            while await committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, 1) != {0: 1}:
-                await anyio.sleep(0.1)
+        await wait_committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, {0: 1})
     answers = [decode_answer(r.value) for r in records]
     assert sorted((a.question_id, a.index, a.text) for a in answers) == [
         ("q", i, f"sample {i}") for i in range(SAMPLES)]
