@@ -102,12 +102,16 @@ class BatchStore:
         self.batches: dict[str, BatchRecord] = {}
         self.lines: dict[str, dict[int, LineRecord]] = {}
         self.cancels: dict[str, int] = {}  # batch id -> when a cancel was asked
+        # A finished batch's counts; its lines are in its files and leave memory
+        self._final_counts: dict[str, dict[str, int]] = {}
         self._writing = anyio.Lock()
         self.watchers: list[Callable[[BatchRecord], None]] = []  # told of every batch record applied
 
     def counts(self, batch_id: str) -> dict[str, int]:
         """Settled lines by outcome; once a batch is cancelled or expired, its lines never asked count as failed
         (they are in its error file)."""
+        if batch_id in self._final_counts:
+            return self._final_counts[batch_id]
         outcomes = [line.outcome for line in self.lines.get(batch_id, {}).values()]
         completed, failed = outcomes.count("completed"), outcomes.count("failed")
         batch = self.batches.get(batch_id)
@@ -137,7 +141,8 @@ class BatchStore:
     def apply(self, record: Record) -> None:
         """Newer batch versions replace older ones; a line's first record stands, as does a batch's first cancel."""
         if isinstance(record, LineRecord):
-            self.lines.setdefault(record.batch_id, {}).setdefault(record.index, record)
+            if record.batch_id not in self._final_counts:
+                self.lines.setdefault(record.batch_id, {}).setdefault(record.index, record)
             return
         if isinstance(record, CancelRecord):
             self.cancels.setdefault(record.batch_id, record.at)
@@ -149,6 +154,9 @@ class BatchStore:
         if known is not None and known.version >= record.version:
             return
         self.batches[record.id] = record
+        if record.status in TERMINAL:
+            self._final_counts[record.id] = self.counts(record.id)
+            self.lines.pop(record.id, None)
         for watcher in self.watchers:
             watcher(record)
 

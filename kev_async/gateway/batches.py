@@ -134,20 +134,29 @@ class Batches:
             return None
 
     async def _ask_all(self, batch: BatchRecord, lines: list[BatchLine], stop: anyio.Event) -> str | None:
-        """Ask every unsettled line, `batch_in_flight` at a time; why it stopped early, or None."""
-        settled = self.store.lines.get(batch.id, {})
+        """Ask every unsettled line until all are settled; why it stopped early (cancelled, expired), or None. A
+        line left unsettled by a pass (its question cancelled by someone else) is asked again in the next."""
+        passes = 0
+        while unsettled := [line for line in lines if line.index not in self.store.lines.get(batch.id, {})]:
+            if stop.is_set() or time.time() >= batch.expires_at:
+                break
+            if passes:
+                await anyio.sleep(RETRY_S)
+            await self._ask_pass(batch, unsettled, stop)
+            passes += 1
+        if stop.is_set():
+            return "cancelled"
+        return "expired" if len(self.store.lines.get(batch.id, {})) < len(lines) else None
+
+    async def _ask_pass(self, batch: BatchRecord, lines: list[BatchLine], stop: anyio.Event) -> None:
+        """Ask these lines, `batch_in_flight` at a time (for all batches together), until a stop or the deadline."""
         async with anyio.create_task_group() as tg:
             for line in lines:
-                if line.index in settled:
-                    continue
                 await self._window.acquire()
                 if stop.is_set() or time.time() >= batch.expires_at:
                     self._window.release()
                     break
                 tg.start_soon(self._ask, batch, line, stop)
-        if stop.is_set():
-            return "cancelled"
-        return "expired" if len(self.store.lines.get(batch.id, {})) < len(lines) else None
 
     async def _ask(self, batch: BatchRecord, line: BatchLine, stop: anyio.Event) -> None:
         try:
