@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
 
 import anyio
@@ -15,6 +14,7 @@ import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures")
 from kafka_fixtures import kafka_config  # noqa: E402
+from polling import eventually  # noqa: E402
 from serve_fixtures import AnswerReader, KevProcess, kev_env, kev_processes  # noqa: E402
 
 from consumers import create_topics, topic_plan  # noqa: E402
@@ -54,12 +54,14 @@ def events(process: KevProcess, event: str) -> list[dict]:
 
 
 async def wait_events(process: KevProcess, event: str, count: int, timeout: float) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while len(found := events(process, event)) < count:
+    """The child's `event` lines once there are `count`; fails at once if the child exits first."""
+    def enough() -> list[dict]:
         assert process.running(), process.describe()
-        assert time.monotonic() < deadline, f"{len(found)} {event!r} after {timeout}s: {process.describe()}"
-        await anyio.sleep(0.2)
-    return found
+        found = events(process, event)
+        return found if len(found) >= count else []
+
+    return await eventually(enough, timeout=timeout, every=0.2,
+                            what=lambda: f"{count} {event!r} in {process.describe()}")
 
 
 def question(qid: str) -> bytes:
