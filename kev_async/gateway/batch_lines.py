@@ -98,10 +98,9 @@ async def _answers(gateway: Gateway, question: QuestionEvent, batch: BatchRecord
             await asyncio.wait((pending.answered, stopped), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
-        if pending.answer is None:
-            await gateway.cancel(question.question_id)
-            return None
-        return pending.ordered()
+            if pending.answer is None:  # stopped, past its deadline, or this gateway stopping: free its worker
+                await gateway.cancel(question.question_id)
+        return pending.ordered() if pending.answer is not None else None
 
 
 async def _published(gateway: Gateway, question: QuestionEvent) -> bool:
