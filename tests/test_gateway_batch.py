@@ -121,6 +121,21 @@ def test_a_cancel_mid_way_settles_every_line_once(client):
         client.batches.cancel(batch.id)
 
 
+def test_a_batch_past_its_completion_window_expires_with_every_line_accounted_for(client):
+    """completion_window is each question's deadline: once it passes nothing more is asked, and the lines never
+    asked are batch_expired in the error file."""
+    lines = [chat_line(i, max_tokens=96) for i in range(48)]
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint=CHAT, completion_window="1s")
+    assert batch.expires_at - batch.created_at == 1
+    batch = wait_for(client, batch.id, finished)
+    assert batch.status == "expired" and batch.expired_at is not None
+    output, errors = read_lines(client, batch.output_file_id), read_lines(client, batch.error_file_id)
+    assert (len(output), len(errors)) == (batch.request_counts.completed, batch.request_counts.failed)
+    assert len(output) + len(errors) == 48 and len(errors) > 0
+    assert Counter(line["custom_id"] for line in output + errors) == Counter(line["custom_id"] for line in lines)
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+
+
 def test_a_gateway_restart_mid_batch_loses_and_repeats_nothing(batch_stack, kafka_broker):
     """A second gateway on its own batch topic: stopped once some lines are settled, started again on the same
     topic and files, it finishes the batch; the topic holds one result per line, so none was asked twice."""
