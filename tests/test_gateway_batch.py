@@ -239,3 +239,20 @@ def test_s3_requests_are_signed_as_aws_documents():
     assert headers["authorization"].endswith(
         "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, "
         "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
+
+
+def test_a_gateway_with_run_batches_false_serves_what_another_runs(batch_stack):
+    """Two gateways on one batch topic: the one with gateway.run_batches false leaves a batch made through it
+    unstarted until the other starts, and then shows the other's progress, read back from the topic."""
+    topic = f"kev.batches.fleet-{time.monotonic_ns()}"
+    cfg = replace(batch_stack.cfg, kafka={"batches_topic": topic})
+    lines = [chat_line(i) for i in range(4)]
+    with live_stack(replace(cfg, gateway={"run_batches": False}), worker=False) as front, \
+            openai_client(front) as client:
+        batch = client.batches.create(input_file_id=upload(client, lines), endpoint=CHAT, completion_window="1h")
+        time.sleep(1.0)
+        assert client.batches.retrieve(batch.id).status == "validating"
+        with live_stack(cfg, worker=False):
+            batch = wait_for(client, batch.id, finished)
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        assert len(read_lines(client, batch.output_file_id)) == 4
