@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import time
 
 import pytest
 
 pytest.register_assert_rewrite("gateway_fixtures")
 from gateway_fixtures import SESSION_ENV  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 
 from kev_async.cli import main as kev_main  # noqa: E402
 from kev_async.cli.demo import _metrics_port  # noqa: E402
@@ -32,7 +32,7 @@ def test_the_demo_keeps_a_free_metrics_port_and_moves_off_a_taken_one():
 
 @pytest.mark.kafka
 def test_kev_top_watches_kev_demo(tiny_model_dir, tmp_path, capsys):
-    from serve_fixtures import KevProcess, kev_env, kev_processes
+    from serve_fixtures import KevProcess, kev_env, kev_processes, says
 
     args = ["demo", "--http", "--port", "0", "--questions", "2", "--max-new-tokens", "4",
             "--model", str(tiny_model_dir)]
@@ -42,10 +42,7 @@ def test_kev_top_watches_kev_demo(tiny_model_dir, tmp_path, capsys):
         env = kev_env(**SESSION_ENV, KEV_METRICS__PORT=str(taken.getsockname()[1]))
         demo = KevProcess(args, env, tmp_path / "demo.log")
         children.append(demo)
-        deadline = time.monotonic() + 120
-        while "kev: serving until Ctrl-C" not in demo.log():
-            assert demo.running() and time.monotonic() < deadline, demo.describe()
-            time.sleep(0.2)
+        eventually_sync(lambda: says(demo, "kev: serving until Ctrl-C"), timeout=120, every=0.2, what=demo.describe)
         said = re.search(r"kev: worker metrics on (\S+) \(watch them: kev top --url (\S+)\)", demo.log())
         assert said and said[1] == said[2], demo.describe()
         assert f":{taken.getsockname()[1]}/" not in said[1]

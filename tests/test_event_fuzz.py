@@ -10,7 +10,6 @@ letter naming its offset, or exactly one answer for its question_id (an error an
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 pytest.register_assert_rewrite("kafka_fixtures", "gateway_fixtures")
 from gateway_fixtures import LiveStack, free_port, live_stack, replace, stack_config  # noqa: E402
 from kafka_fixtures import kafka_config, read_topic  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 
 from consumers import create_topics, topic_plan  # noqa: E402
 from consumers.messages import HEADER_DLQ_OFFSET, HEADER_DLQ_PARTITION  # noqa: E402
@@ -120,27 +120,27 @@ def test_fuzzed_events_each_end_in_one_outcome(stack, batch):
     dead_wanted = {pos for pos, qid in zip(positions, expected) if qid is None}
 
     # Both topics hold every earlier batch too: read until this batch's outcomes are all there.
-    deadline = time.monotonic() + 60
-    while True:
+    seen: dict = {"counts": Counter(), "dead": set()}
+
+    def every_outcome_out() -> bool:
         answers = [decode_answer(r.value) for r in anyio.run(_read_all, kafka.bootstrap_servers,
                                                              kafka.answers_topic, backend="asyncio")]
-        dead = {(int(h[HEADER_DLQ_PARTITION]), int(h[HEADER_DLQ_OFFSET]))
-                for h in (dict(r.headers) for r in anyio.run(_read_all, kafka.bootstrap_servers, kafka.dlq_topic,
-                                                              backend="asyncio"))}
-        counts = Counter(a.question_id for a in answers)
-        if answers_wanted <= set(counts) and dead_wanted <= dead:
-            break
-        assert time.monotonic() < deadline, (f"missing answers {answers_wanted - set(counts)}, "
-                                             f"dead letters {dead_wanted - dead}")
-        time.sleep(0.3)
+        seen["dead"] = {(int(h[HEADER_DLQ_PARTITION]), int(h[HEADER_DLQ_OFFSET]))
+                        for h in (dict(r.headers) for r in anyio.run(_read_all, kafka.bootstrap_servers,
+                                                                      kafka.dlq_topic, backend="asyncio"))}
+        seen["counts"] = Counter(a.question_id for a in answers)
+        return answers_wanted <= set(seen["counts"]) and dead_wanted <= seen["dead"]
+
+    eventually_sync(every_outcome_out, timeout=60, every=0.3,
+                    what=lambda: (f"missing answers {answers_wanted - set(seen['counts'])}, "
+                                  f"dead letters {dead_wanted - seen['dead']}"))
+    counts = seen["counts"]
     assert all(counts[qid] == 1 for qid in answers_wanted), {q: counts[q] for q in answers_wanted}
     assert not dead_wanted & {pos for pos, qid in zip(positions, expected) if qid is not None}
 
     # Not stuck, nothing leaked: with every answer out, every KV block is free again.
-    deadline = time.monotonic() + 20
-    while (used := stack.kv_blocks_used()) != 0:
-        assert time.monotonic() < deadline, f"{used} KV blocks held with no question in flight"
-        time.sleep(0.2)
+    eventually_sync(lambda: stack.kv_blocks_used() == 0, timeout=20, every=0.2,
+                    what=lambda: f"{stack.kv_blocks_used()} KV blocks held with no question in flight")
 
 
 async def _read_all(bootstrap: str, topic: str) -> list:
