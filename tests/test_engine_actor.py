@@ -9,6 +9,7 @@ import anyio
 import pytest
 import torch
 import transformers
+from polling import eventually
 from structlog.testing import capture_logs
 
 from engine import Engine, EngineOptions
@@ -136,9 +137,8 @@ async def test_a_slow_reader_of_answers_holds_back_intake_and_loses_nothing(mode
         async with inbox.send, outbox.receive:
             for i in range(5):
                 await inbox.send.send(Submit(question(i)))
-            with anyio.fail_after(10):  # two answers are ready and nobody reads them
-                while outbox.stats().senders_waiting < 2:
-                    await anyio.sleep(0.005)
+            # Two answers are ready and nobody reads them.
+            await eventually(lambda: outbox.stats().senders_waiting >= 2, timeout=10, every=0.005)
             await anyio.sleep(0.05)
             assert inbox.stats().depth == 2  # q2 waits in the actor for a place; q3, q4 stay queued
             inbox.send.close()
@@ -188,10 +188,11 @@ async def test_an_asker_cancelled_mid_answer_cancels_its_question_and_frees_its_
     async with open_engine_client(engines) as client:
         async with anyio.create_task_group() as askers:
             askers.start_soon(client.ask, question(7, params=LONG))
-            await _until(lambda: engines.pool.num_used > 0)  # decoding, holding blocks
+            await eventually(lambda: engines.pool.num_used > 0, timeout=5, every=0.002)  # decoding, holding blocks
             askers.cancel_scope.cancel()
         # the blocks come back the moment the cancel lands; the question's end is reported a step later
-        await _until(lambda: engines.pool.num_used == 0 and engines.made[-1].in_flight == 0)
+        await eventually(lambda: engines.pool.num_used == 0 and engines.made[-1].in_flight == 0, timeout=5,
+                         every=0.002)
 
 
 async def test_an_asker_that_times_out_gets_timeout_error_and_the_engine_goes_on(model):
@@ -199,7 +200,7 @@ async def test_an_asker_that_times_out_gets_timeout_error_and_the_engine_goes_on
     async with open_engine_client(engines) as client:
         with pytest.raises(TimeoutError):
             await client.ask(question(7, params=LONG), timeout=0.05)
-        await _until(lambda: engines.pool.num_used == 0)
+        await eventually(lambda: engines.pool.num_used == 0, timeout=5, every=0.002)
         assert (await client.ask(question(8), timeout=30)).question_id == "q8"
 
 
@@ -264,12 +265,6 @@ async def _next_answer(stream) -> AnswerEvent:
     raise AssertionError("the outbox ended without an answer")
 
 
-async def _until(condition, timeout=5.0):
-    with anyio.fail_after(timeout):
-        while not condition():
-            await anyio.sleep(0.002)
-
-
 # -- prompt limits in tokens, checked before the engine; tokenizing off the device thread (issue 26, item 7) --
 
 MARK = "(held at the tokenizer)"
@@ -319,7 +314,7 @@ async def test_a_prompt_being_tokenized_does_not_hold_up_the_decode_steps(model)
                 answers[q.question_id] = await client.ask(q, timeout=60)
 
             tg.start_soon(ask, question(1, params=LONG))
-            await _until(lambda: engines.made[-1].core.num_forwards > 0)  # q1 is decoding
+            await eventually(lambda: engines.made[-1].core.num_forwards > 0, timeout=5, every=0.002)  # q1 decoding
             tg.start_soon(ask, question(2, prompt=f"A big prompt {MARK}"))
     assert held.forwards_while_held >= held.forwards  # q1's steps went on while q2's prompt was rendered
     assert held.held_on and device_threads and not held.held_on & device_threads
