@@ -18,7 +18,6 @@ from schemas.answers import (
 from schemas.config import (
     DEFAULT_CONFIG,
     DEFAULT_MODEL,
-    EMBEDDED_BROKER,
     ENV_SHORTCUTS,
     AdaptersConfig,
     AggregatorConfig,
@@ -27,12 +26,9 @@ from schemas.config import (
     CoreConfig,
     DeployConfig,
     IsolationConfig,
-    GatewayConfig,
-    KafkaConfig,
     KevConfig,
     KvCacheConfig,
     KvDtype,
-    LimitsConfig,
     LoggingConfig,
     MetricsConfig,
     OverflowPolicy,
@@ -41,8 +37,6 @@ from schemas.config import (
     SamplingConfig,
     SchedulerConfig,
     SchedulingPolicy,
-    SecurityConfig,
-    TrustConfig,
 )
 from schemas.config import (
     IntakeConfig,
@@ -54,6 +48,8 @@ from schemas.config import (
 )
 from schemas.config_validation import ConfigError, config_from_dict
 from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidControl, control_key, decode_control
+from schemas.gateway_config import GatewayConfig
+from schemas.kafka_config import EMBEDDED_BROKER, KafkaConfig, LimitsConfig, SecurityConfig, TrustConfig
 from schemas.principal import ANONYMOUS, Principal, principal_of
 from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
 from schemas.response_format import (

@@ -29,7 +29,7 @@ from schemas._validation import (
     explain,
     show,
 )
-from schemas.config import LimitsConfig
+from schemas.kafka_config import LimitsConfig
 from schemas.response_format import ResponseFormat, constraint_chars
 from schemas.samples import MAX_SAMPLES, MAX_TOP_LOGPROBS
 from schemas.tools import CallId, ToolCalls, Tools

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from schemas.config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
+from schemas.kafka_config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
 from schemas.trust_keys import (MIN_SECRET_CHARS, Ed25519Key, HmacKey, Key, TrustKeyError, cannot_sign, make_key,
                                 new_ed25519_pair, public_key_text, trust_keys)
 

@@ -16,7 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from schemas.config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
+from schemas.kafka_config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
 
 MIN_SECRET_CHARS = 16
 

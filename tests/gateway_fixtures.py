@@ -21,7 +21,7 @@ import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from schemas import KevConfig
-from schemas.config import TrustKey
+from schemas.kafka_config import TrustKey
 
 API_KEY = "sk-kev-test-1"
 TENANT = "acme"

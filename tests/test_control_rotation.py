@@ -18,7 +18,7 @@ from kafka_fixtures import kafka_config, produce, produce_records  # noqa: E402
 from serve_fixtures import KEV, ROOT, AnswerReader, kev_env  # noqa: E402
 
 from schemas import ControlEvent, KevConfig, TrustConfig  # noqa: E402
-from schemas.config import TrustKey  # noqa: E402
+from schemas.kafka_config import TrustKey  # noqa: E402
 from schemas.signing import Signer, new_ed25519_pair  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]

@@ -25,7 +25,7 @@ from kafka_fixtures import (  # noqa: E402
 from polling import eventually  # noqa: E402
 
 from schemas import KevConfig, decode_answer  # noqa: E402
-from schemas.config import TrustConfig  # noqa: E402
+from schemas.kafka_config import TrustConfig  # noqa: E402
 from schemas.signing import QUESTION, Signer  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]

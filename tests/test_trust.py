@@ -33,7 +33,7 @@ from schemas import (  # noqa: E402
     TrustConfig,
     decode_answer,
 )
-from schemas.config import TrustKey  # noqa: E402
+from schemas.kafka_config import TrustKey  # noqa: E402
 from schemas.signing import CONTROL, QUESTION, Signer, TrustKeyError  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]

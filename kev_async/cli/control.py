@@ -12,7 +12,7 @@ import anyio
 
 from kev_async.cli._shared import load_service_config
 from schemas import EMBEDDED_BROKER
-from schemas.config import ALL_TRUST_SCOPES
+from schemas.kafka_config import ALL_TRUST_SCOPES
 
 RESIGN_HELP = """\
 Read kafka.control_topic from its first record, find the command in force under each key (what every

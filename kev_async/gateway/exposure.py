@@ -20,7 +20,7 @@ import secrets
 import msgspec
 
 from schemas import KevConfig
-from schemas.config import TrustKey
+from schemas.kafka_config import TrustKey
 from schemas.signing import CANCEL, CONTROL, QUESTION, Signer, TrustKeyError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})

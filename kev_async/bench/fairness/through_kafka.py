@@ -21,7 +21,8 @@ from kev_async.bench.fairness.in_process import BENCH_KEY, SAMPLE_S, Outcome, Sa
 from kev_async.bench.fairness.scenarios import Scenario
 from kev_async.logs import quieted
 from schemas import KevConfig, Params, QuestionEvent, decode_answer, encode
-from schemas.config import EMBEDDED_BROKER, TenantConfig, TrustConfig
+from schemas.config import TenantConfig
+from schemas.kafka_config import EMBEDDED_BROKER, TrustConfig
 from schemas.signing import QUESTION, Signer
 
 BENCH_SECRET = "kev-bench-fairness-key"  # HMAC, this process only: the worker verifies what the bench signs
