@@ -33,6 +33,7 @@ pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixt
 from gateway_fixtures import (API_KEY, SESSION_ENV, TENANT, TRUST_KEY_ID, TRUST_SECRET, live_stack,  # noqa: E402
                               produce_commands, produce_signed, stack_config)
 from kafka_fixtures import kafka_config, read_topic, running_worker  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 
 from consumers import EmbeddedBroker, create_topics, run_control_reader  # noqa: E402
 from schemas import ControlEvent, decode_answer, decode_question, encode  # noqa: E402
@@ -163,10 +164,8 @@ def test_models_list_and_adapters_from_the_control_topic(client, stack):
     kafka = stack.cfg.kafka
     load = ControlEvent(action="load_adapter", name="sea-lora", path="/nowhere/sea-lora")
     run(produce_commands, kafka.bootstrap_servers, kafka.control_topic, [load])
-    deadline = time.monotonic() + 10
-    while "sea-lora" not in [m.id for m in client.models.list()]:
-        assert time.monotonic() < deadline, "the adapter never showed up in /v1/models"
-        time.sleep(0.1)
+    eventually_sync(lambda: "sea-lora" in [m.id for m in client.models.list()], timeout=10, every=0.1,
+                    what="the adapter in /v1/models")
     # The gateway names it as the question's adapter; the worker could not load /nowhere, so it answers
     # unknown_adapter, which an OpenAI client sees as a 404 on `model`.
     with pytest.raises(openai.NotFoundError) as error:
@@ -174,10 +173,8 @@ def test_models_list_and_adapters_from_the_control_topic(client, stack):
     assert error.value.body["param"] == "model"
     unload = ControlEvent(action="unload_adapter", name="sea-lora")
     run(produce_commands, kafka.bootstrap_servers, kafka.control_topic, [unload])
-    deadline = time.monotonic() + 10
-    while "sea-lora" in [m.id for m in client.models.list()]:
-        assert time.monotonic() < deadline, "the adapter was never removed from /v1/models"
-        time.sleep(0.1)
+    eventually_sync(lambda: "sea-lora" not in [m.id for m in client.models.list()], timeout=10, every=0.1,
+                    what="the adapter gone from /v1/models")
 
 
 def test_bad_key_is_401_and_tenant_comes_from_the_key(stack):
@@ -247,10 +244,7 @@ def test_abandoned_stream_is_cancelled_and_frees_its_kv_blocks(client, stack):
     answer = decode_answer(msgspec.json.encode(replies[-1]))
     assert answer.finish_reason == "cancelled"
     assert answer.usage.completion_tokens < 900
-    deadline = time.monotonic() + 10
-    while stack.kv_blocks_used() != 0:
-        assert time.monotonic() < deadline, "the cancelled question kept its KV blocks"
-        time.sleep(0.05)
+    eventually_sync(lambda: stack.kv_blocks_used() == 0, timeout=10, what="the cancelled question's KV blocks free")
 
 
 def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(stack):
@@ -269,10 +263,8 @@ def test_a_client_that_hangs_up_before_a_whole_answer_cancels_it(stack):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5),
                    headers={"authorization": f"Bearer {API_KEY}"})
-    deadline = time.monotonic() + 10
-    while cancels() == before or stack.kv_blocks_used() != 0:
-        assert time.monotonic() < deadline, "the abandoned question was not cancelled, or kept its KV blocks"
-        time.sleep(0.05)
+    eventually_sync(lambda: cancels() > before and stack.kv_blocks_used() == 0, timeout=10,
+                    what="the abandoned question cancelled and its KV blocks free")
 
 
 def test_200_concurrent_requests_half_streamed_each_get_their_own_answer(client, stack):
@@ -466,16 +458,13 @@ def test_kev_gateway_says_in_one_line_why_it_cannot_start(kafka_broker):
 
 
 def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
-    from serve_fixtures import KevProcess, kev_env, kev_processes
+    from serve_fixtures import KevProcess, kev_env, kev_processes, says
 
     args = ["demo", "--http", "--port", "0", "--questions", "2", "--max-new-tokens", "4", "--model", str(tiny_model_dir)]
     with kev_processes() as children:
         demo = KevProcess(args, kev_env(**SESSION_ENV), tmp_path / "demo.log")
         children.append(demo)
-        deadline = time.monotonic() + 120
-        while "kev: serving until Ctrl-C" not in demo.log():
-            assert demo.running() and time.monotonic() < deadline, demo.describe()
-            time.sleep(0.2)
+        eventually_sync(lambda: says(demo, "kev: serving until Ctrl-C"), timeout=120, every=0.2, what=demo.describe)
         curl = next(line for line in demo.log().splitlines() if line.startswith("curl "))
         argv = shlex.split(curl)
         if shutil.which("curl"):
@@ -491,13 +480,14 @@ def test_kev_demo_http_prints_a_curl_line_that_works(tiny_model_dir, tmp_path):
 
 def _ready_processes(gateway, timeout: float = 60.0) -> dict:
     """The parent's `gateway.ready` log line (JSON logs) of `kev gateway --processes N`."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def ready_line() -> dict | None:
         for line in gateway.log().splitlines():
             if line.startswith("{") and '"gateway.ready"' in line and '"processes"' in line:
                 return json.loads(line)
-        assert gateway.running() and time.monotonic() < deadline, gateway.describe()
-        time.sleep(0.2)
+        assert gateway.running(), gateway.describe()
+        return None
+
+    return eventually_sync(ready_line, timeout=timeout, every=0.2, what=gateway.describe)
 
 
 def test_kev_gateway_processes_share_a_port_answer_and_stop_together(stack, tmp_path):
@@ -547,10 +537,8 @@ def test_kev_gateway_processes_share_a_port_answer_and_stop_together(stack, tmp_
         children.append(gateway)
         ready = _ready_processes(gateway)
         gateway.kill()  # SIGKILL: the parent cannot pass anything on; its children see their stdin close
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ready["pids"]):
-            assert time.monotonic() < deadline, f"gateway processes {ready['pids']} outlived a killed parent"
-            time.sleep(0.2)
+        eventually_sync(lambda: not any(_alive(pid) for pid in ready["pids"]), timeout=30, every=0.2,
+                        what=f"gateway processes {ready['pids']} gone after their parent was killed")
 
 
 def _alive(pid: int) -> bool:

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
 from gateway_fixtures import API_KEY, TENANT, LiveStack, free_port, live_stack, replace, stack_config  # noqa: E402
 from kafka_fixtures import kafka_config  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 
 from consumers import create_topics  # noqa: E402
 from schemas import decode_answer, decode_question  # noqa: E402
@@ -266,10 +267,8 @@ def test_after_the_fuzz_the_worker_answers_and_holds_no_kv_block(keyed):
     KV block: a plain request is answered, then every block is free again."""
     answered = post(keyed.url, {"model": MODEL, "messages": SEA, "max_tokens": 2})
     assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["content"] is not None
-    deadline = time.monotonic() + 20
-    while (used := keyed.kv_blocks_used()) != 0:
-        assert time.monotonic() < deadline, f"{used} KV blocks still held after the fuzz"
-        time.sleep(0.2)
+    eventually_sync(lambda: keyed.kv_blocks_used() == 0, timeout=20, every=0.2,
+                    what=lambda: f"{keyed.kv_blocks_used()} KV blocks still held after the fuzz")
 
 
 # -- ids, signatures, timestamps, tenants ------------------------------------------------------------------
@@ -373,13 +372,11 @@ def test_a_tenant_over_its_cap_gets_429_with_retry_after(unanswered):
             assert error["type"] == "rate_limit_error" and int(refused.headers["retry-after"]) >= 1
         assert _open_stream(held, unanswered.url, OTHER_KEY).status_code == 200  # another tenant is not held up
     # The clients hung up: their questions were cancelled and their slots freed.
-    deadline = time.monotonic() + 10
-    while True:
+    def a_slot_again() -> bool:
         with ExitStack() as held:
-            if _open_stream(held, unanswered.url, API_KEY).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "the tenant's slots were not given back"
-        time.sleep(0.1)
+            return _open_stream(held, unanswered.url, API_KEY).status_code == 200
+
+    eventually_sync(a_slot_again, timeout=10, every=0.1, what="the tenant's slots given back")
 
 
 def test_a_publish_not_acked_in_time_is_a_503_and_cancelled(kafka_broker):

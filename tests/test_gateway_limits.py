@@ -35,6 +35,7 @@ from aiokafka import AIOKafkaConsumer
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
 from gateway_fixtures import SESSION_ENV, LiveStack, free_port, live_stack, stack_config  # noqa: E402
 from kafka_fixtures import kafka_config, produce  # noqa: E402
+from polling import eventually_sync  # noqa: E402
 
 from consumers import create_topics  # noqa: E402
 from schemas import AnswerDelta, encode  # noqa: E402
@@ -130,11 +131,11 @@ def post(stack: LiveStack, tenant: str, body: bytes) -> httpx.Response:
 
 def wait_for_slot(stack: LiveStack, tenant: str, timeout: float = 15.0) -> None:
     """Until the tenant's slot is free: an unparsable body is a 400 with a slot, a 429 without one."""
-    deadline = time.monotonic() + timeout
-    while (status := post(stack, tenant, b"{}").status_code) == 429:
-        assert time.monotonic() < deadline, "the tenant's slot was never given back"
-        time.sleep(0.05)
-    assert status == 400
+    def not_refused() -> int | None:
+        status = post(stack, tenant, b"{}").status_code
+        return None if status == 429 else status
+
+    assert eventually_sync(not_refused, timeout=timeout, what=f"tenant {tenant}'s slot given back") == 400
 
 
 def rss_mb() -> float:
@@ -205,10 +206,8 @@ def test_connections_beyond_the_budget_get_503_and_are_closed(kafka_broker):
             assert_openai_error(status, body, 503)
             assert int(headers["retry-after"]) >= 1
         held.close()  # the four hang up: there is room again
-        deadline = time.monotonic() + 15
-        while httpx.get(stack.url + "/health", timeout=30).status_code == 503:
-            assert time.monotonic() < deadline, "closed connections were never taken off the budget"
-            time.sleep(0.05)
+        eventually_sync(lambda: httpx.get(stack.url + "/health", timeout=30).status_code != 503, timeout=15,
+                        what="closed connections taken off the budget (/health not 503)")
 
 
 # -- the body, read only once the tenant's slot is taken -------------------------------------------------
@@ -280,10 +279,11 @@ def test_big_response_format_schemas_do_not_stall_plain_requests(kafka_broker, t
     with kev_processes() as children, httpx.Client(timeout=60) as probe:
         children.append(KevProcess(["gateway", "--config", str(config), "--port", str(port)],
                                    kev_env(**SESSION_ENV), tmp_path / "gateway.log"))
-        deadline = time.monotonic() + 90
-        while not _answers(probe, url + "/health"):
-            assert children[0].running() and time.monotonic() < deadline, children[0].describe()
-            time.sleep(0.2)
+        def up() -> bool:
+            assert children[0].running(), children[0].describe()
+            return _answers(probe, url + "/health")
+
+        eventually_sync(up, timeout=90, every=0.2, what=children[0].describe)
 
         def plain() -> float:
             started = time.perf_counter()
@@ -360,10 +360,8 @@ def test_a_client_that_hangs_up_mid_body_is_a_499_without_a_traceback(gated, log
     with socket.create_connection(address(gated), timeout=30) as sock:
         sock.sendall(head("gone", length=1000) + b'{"model": ')
         time.sleep(0.3)  # the slot is taken, the body being read
-    deadline = time.monotonic() + 15
-    while not any(entry["event"] == "gateway.client_gone" for entry in logs):
-        assert time.monotonic() < deadline, [entry["event"] for entry in logs]
-        time.sleep(0.05)
+    eventually_sync(lambda: any(entry["event"] == "gateway.client_gone" for entry in logs), timeout=15,
+                    what=lambda: f"gateway.client_gone among {[entry['event'] for entry in logs]}")
     gone = next(entry for entry in logs if entry["event"] == "gateway.client_gone")
     assert gone["log_level"] == "info" and gone["status"] == 499, gone
     assert not [entry for entry in logs if entry["log_level"] in ("error", "critical") or "exc_info" in entry]
@@ -406,14 +404,17 @@ def test_processes_keep_a_tenant_at_its_cap_in_total(kafka_broker, tmp_path):
 
         statuses = hold_streams(16)
         assert sorted(statuses) == [200, 200] + [429] * 14, statuses
-        deadline = time.monotonic() + 15
-        while (again := hold_streams(2)) != [200, 200]:
-            assert time.monotonic() < deadline, f"the fleet's slots were not given back: {again}"
-            time.sleep(0.1)
+        again: list[int] = []
+
+        def two_streams() -> bool:
+            again[:] = hold_streams(2)
+            return again == [200, 200]
+
+        eventually_sync(two_streams, timeout=15, every=0.1, what=lambda: f"the fleet's slots given back: {again}")
 
 
 def _wait_ready(gateway, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while '"gateway.ready"' not in gateway.log() or '"processes"' not in gateway.log():
-        assert gateway.running() and time.monotonic() < deadline, gateway.describe()
-        time.sleep(0.2)
+    from serve_fixtures import says
+
+    eventually_sync(lambda: says(gateway, '"gateway.ready"') and '"processes"' in gateway.log(), timeout=timeout,
+                    every=0.2, what=gateway.describe)
