@@ -83,18 +83,26 @@ async def test_answers_are_published_and_offsets_committed_only_after_the_ack(ka
 
     # A fresh consumer in the same group starts right after the last committed question.
     later = await produce(bootstrap, cfg.questions_topic, [question("late-1"), question("late-2")])
-    consumer = AIOKafkaConsumer(cfg.questions_topic, bootstrap_servers=bootstrap, group_id=cfg.group_id,
+    assert sorted(await read_as_the_group(cfg, 2)) == sorted(later)
+
+
+async def read_as_the_group(cfg, count: int) -> list[tuple[int, int]]:
+    """(partition, offset) of the first `count` questions a fresh consumer in the worker's group reads."""
+    consumer = AIOKafkaConsumer(cfg.questions_topic, bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id,
                                 enable_auto_commit=False, auto_offset_reset="earliest", **FAST_GROUP)
+    seen = []
+
+    async def enough() -> bool:
+        batch = await consumer.getmany(timeout_ms=200)
+        seen.extend((r.partition, r.offset) for part in batch.values() for r in part)
+        return len(seen) >= count
+
     await consumer.start()
     try:
-        seen = []
-        with anyio.fail_after(30):
-            while len(seen) < 2:
-                batch = await consumer.getmany(timeout_ms=200)
-                seen += [(r.partition, r.offset) for part in batch.values() for r in part]
+        await eventually(enough, timeout=30, every=0)
     finally:
         await consumer.stop()
-    assert sorted(seen) == sorted(later)
+    return seen
 
 
 BAD_INPUTS = [
