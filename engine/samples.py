@@ -17,7 +17,7 @@ import secrets
 from engine.intake import QuestionRejected
 from engine.sequence import SamplingParams
 from schemas import sample_seed
-from schemas.questions import identical_samples_message
+from schemas.question_decoding import identical_samples_message
 
 SEPARATOR = "\x1f"  # the unit separator: a sample's name is never a question's id by accident
 

@@ -51,7 +51,8 @@ from schemas.control import DEFAULTS_KEYS, ControlAction, ControlEvent, InvalidC
 from schemas.gateway_config import GatewayConfig
 from schemas.kafka_config import EMBEDDED_BROKER, KafkaConfig, LimitsConfig, SecurityConfig, TrustConfig
 from schemas.principal import ANONYMOUS, Principal, principal_of
-from schemas.questions import InvalidQuestion, Message, Params, QuestionEvent, decode_question
+from schemas.question_decoding import InvalidQuestion, decode_question
+from schemas.questions import Message, Params, QuestionEvent
 from schemas.response_format import (
     GrammarFormat,
     JsonObjectFormat,
