@@ -110,7 +110,7 @@ BAD_EVENTS = [
     ("empty-stop", event(params={"stop": [""]}),
      InvalidQuestion, "invalid_field", "params.stop[0]: empty"),
     ("bad-role", json.dumps({"question_id": "q1", "messages": [{"role": "bot", "content": "x"}]}).encode(),
-     InvalidQuestion, "invalid_field", "messages[0].role: 'bot' is not one of: assistant, system, user"),
+     InvalidQuestion, "invalid_field", "messages[0].role: 'bot' is not one of: assistant, system, tool, user"),
     ("no-prompt-or-messages", b'{"question_id": "q1"}',
      InvalidQuestion, "empty_prompt", "prompt: missing"),
     ("empty-prompt", event(prompt=""), InvalidQuestion, "empty_prompt", "prompt: empty"),
