@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -21,9 +21,6 @@ from kev_async.gateway.openai_requests import check_response_format
 from kev_async.gateway.publisher import BrokerUnavailable, QuestionPublisher
 from kev_async.gateway.replies import ReplyRouter
 from schemas import KevConfig, QuestionEvent
-
-if TYPE_CHECKING:
-    from kev_async.gateway.batches import Batches
 
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the openai client's own timeout, in seconds
 # Compiling a big response_format takes tens of ms of CPU (an 81 KB schema: ~40 ms). With anyio's default
@@ -44,7 +41,9 @@ class Gateway:
     metrics: GatewayMetrics
     slots: TenantSlots = field(default=None)  # type: ignore[assignment]  # None: from cfg
     kept: KeptAnswers = field(default_factory=KeptAnswers)
-    batches: Batches | None = None  # the Batch API's state, files and runner (batches.py); set by the server
+    # the Batch API's state, files and runner (batches.Batches), set by the server; untyped here because
+    # batches.py builds on this module
+    batches: Any = None
     # made on first use: it needs the running event loop
     _compiles: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
 
