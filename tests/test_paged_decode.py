@@ -14,7 +14,7 @@ import torch
 
 from engine.kernels import paged_decode
 from engine.kernels.attention import Segment, TorchAttention, _DecodeGroups
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from engine.kv.cache import KVCache
 
 pytestmark = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler for the CPU decode kernel")

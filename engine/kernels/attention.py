@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_decode
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from engine.kv.cache import KVCache, LayerKV, padded_slots
 
 

@@ -15,7 +15,7 @@ from typing import get_args
 
 import torch
 
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from schemas import DEFAULT_CONFIG, KvDtype
 
 MIB = 1 << 20

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.attention import attend_masked
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from engine.prompt import as_question, encode_prompt
 
 # Any ordinary prose will do: the mean only has to land near the keys' offset, not on it.

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.deterministic.mode import math_mode
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
 from engine.kernels.omp_pool import release_thread_pool

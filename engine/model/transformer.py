@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from engine.deterministic.mode import FAST, MathMode
 from engine.kernels import matmul
-from engine.kernels.attention_form import AttentionForm
+from engine.attention_form import AttentionForm
 from engine.kernels.block_weight import BlockWeight
 from engine.kernels.layer_stack import LayerStack
 from engine.kernels.packed_weight import PackedWeight, can_pack
