@@ -67,6 +67,8 @@ def test_the_table_puts_kev_beside_the_servers_timings(tiny_model, tiny_model_di
     assert f"| decode, one question (ms/token) | {decode:.2f} | 4.00 | {4.0 / decode:.2f}x | 3 |" in lines
     assert f"| prefill, 120-token prompt (tokens/s) | {prefill:.0f} | 500 | {prefill / 500.0:.2f}x | 3 |" in lines
     assert len(result["runs"]["kev decode"]) == 3
+    paired = ", ".join(f"{4.0 / ms:.2f}" for ms in result["runs"]["kev decode"])
+    assert f"  kev speed / llama.cpp within each repeat: decode {paired} (median " in out
     assert "greedy tokens, kev vs llama.cpp: " in out and "/12); every repeat the same answer on each side: yes" in out
 
 

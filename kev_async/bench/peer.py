@@ -237,6 +237,12 @@ def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, thread
         f"{prefill_ratio:.2f}x | {repeats} |")
     for name, values in r["runs"].items():
         out(f"  {name} per repeat: " + ", ".join(f"{v:.2f}" if "decode" in name else f"{v:.0f}" for v in values))
+    # On a busy host a repeat's two sides share its load; the medians above may come from different repeats.
+    paired = {"decode": [llama / kev for kev, llama in zip(r["runs"]["kev decode"], r["runs"]["llama decode"])],
+              "prefill": [kev / llama for kev, llama in zip(r["runs"]["kev prefill"], r["runs"]["llama prefill"])]}
+    out("  kev speed / llama.cpp within each repeat: " + "; ".join(
+        f"{name} {', '.join(f'{v:.2f}' for v in values)} (median {statistics.median(values):.2f}x)"
+        for name, values in paired.items()))
     out("prompt token ids: llama-server's /tokenize makes Kev's ids of the same text ("
         + ", ".join(f"{name} {n} tokens" for name, n in r["checked"].items()) + ")")
     n = r["new_tokens"]
