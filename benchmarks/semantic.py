@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _partition(strategy: str, buckets: int, semantic):
     """A question's text -> its partition, through the partitioner `kev route` uses."""
-    from consumers.partitioner import Partitioner
+    from consumers.publish.partitioner import Partitioner
     from schemas import QuestionEvent
 
     partitioner = Partitioner(strategy, buckets, semantic=semantic if strategy == "semantic_hash" else None)

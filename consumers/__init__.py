@@ -1,16 +1,17 @@
-"""Kev's Kafka side: the question consumer, the answer publisher, offsets, the DLQ, the control
-reader, the embedded broker.
+"""Kev's Kafka side, more than a consumer: one room each for questions in (`intake/`), answers out
+(`publish/`), the control topic (`control/`), the client layer every Kafka client is opened through
+(`kafka_client/`) and the embedded broker (`broker/`); `worker.py` runs them as one actor.
 
 Imports only `schemas` (and libraries); anyio memory streams of `Inbound` / `Outbound` connect it
 to the engine actor. Everything that touches Kafka runs on anyio's asyncio backend.
 """
 
-from consumers.broker import EMBEDDED, BrokerStartError, EmbeddedBroker, embedded_kafka
-from consumers.control import ControlGate, control_record, run_control_reader, send_control
-from consumers.control_audit import run_control_audit
+from consumers.broker.embedded import EMBEDDED, BrokerStartError, EmbeddedBroker, embedded_kafka
+from consumers.control.audit import run_control_audit
+from consumers.control.reader import ControlGate, control_record, run_control_reader, send_control
+from consumers.intake.offsets import OffsetRegression, OffsetTracker
+from consumers.kafka_client.topics import create_topics, ensure_topics, topic_configs, topic_plan
 from consumers.messages import Inbound, Outbound, Partition, Position
-from consumers.offsets import OffsetRegression, OffsetTracker
-from consumers.topics import create_topics, ensure_topics, topic_configs, topic_plan
 from consumers.worker import KafkaStatistics, KafkaWorker, run_kafka_io
 
 __all__ = [

@@ -1,5 +1,5 @@
 """`kev route`'s loop: questions from the intake topic re-published to the questions topic, each on
-the partition its routing strategy picks (consumers/partitioner.py), so it lands on that worker.
+the partition its routing strategy picks (consumers/publish/partitioner.py), so it lands on that worker.
 
 The same at-least-once rule as `kev serve`: a record's offset is committed only after its outcome
 is acked: the re-published question, or the dead letter for an event that is not a question at all.
@@ -22,16 +22,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
-from consumers.broker import EMBEDDED
-from consumers.clients import fetch, open_consumer, open_producer
-from consumers.committer import Committer, RevocationListener
-from consumers.ledger import QuestionLedger
+from consumers.broker.embedded import EMBEDDED
+from consumers.kafka_client.clients import fetch, open_consumer, open_producer
+from consumers.intake.committer import Committer, RevocationListener
+from consumers.intake.ledger import QuestionLedger
 from consumers.messages import Position
-from consumers.offsets import OffsetTracker
-from consumers.partitioner import Partitioner, Semantic
-from consumers.publisher import Publisher
-from consumers.record_guard import printable_headers, unreadable
-from consumers.topics import create_topics, topic_configs, topic_plan
+from consumers.intake.offsets import OffsetTracker
+from consumers.publish.partitioner import Partitioner, Semantic
+from consumers.publish.publisher import Publisher
+from consumers.kafka_client.record_guard import printable_headers, unreadable
+from consumers.kafka_client.topics import create_topics, topic_configs, topic_plan
 from schemas import InvalidQuestion, KafkaConfig, UndecodableEvent, decode_question
 
 log = structlog.get_logger("kev.consumers.route")
@@ -43,7 +43,7 @@ class RouteService:
     def __init__(self, cfg: KafkaConfig, strategy: str, *, intake_topic: str | None = None,
                  group_id: str | None = None, max_records: int = 256, shutdown_timeout: float = 10.0,
                  consumer_options: Mapping[str, Any] | None = None, semantic: Semantic | None = None) -> None:
-        """`semantic`: semantic_hash's partition function (consumers/partitioner.py), for that strategy only."""
+        """`semantic`: semantic_hash's partition function (consumers/publish/partitioner.py), for that strategy only."""
         if cfg.bootstrap_servers == EMBEDDED:
             raise ValueError('kev route needs a running broker: kafka.bootstrap_servers is "embedded"')
         self.cfg = cfg

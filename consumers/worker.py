@@ -13,8 +13,8 @@ fleet's own topics, ends `run()` with PublishFailed (settled offsets committed f
 cannot go on, and its caller should exit non-zero.
 
 `kafka.delivery` picks how offsets are committed (logged once at start, `kafka.delivery`): after the
-answers' acks (at_least_once, consumers/committer.py), or with them in one Kafka transaction per
-questions partition (exactly_once, consumers/transactions.py; questions are then read read_committed).
+answers' acks (at_least_once, consumers/intake/committer.py), or with them in one Kafka transaction per
+questions partition (exactly_once, consumers/publish/transactions.py; questions are then read read_committed).
 A transaction lives on one cluster: `producer_options` that send the answers to other brokers make
 `auto` pick at_least_once.
 
@@ -37,20 +37,20 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from consumers.backpressure import Watermarks
-from consumers.broker import EMBEDDED
-from consumers.clients import open_consumer, open_producer
-from consumers.committer import Committer, RevocationListener
-from consumers.delivery import PublishFailed
-from consumers.delivery_mode import choose_delivery
-from consumers.intake import COUNTS as INTAKE_COUNTS, Intake
-from consumers.ledger import QuestionLedger
+from consumers.intake.backpressure import Watermarks
+from consumers.broker.embedded import EMBEDDED
+from consumers.kafka_client.clients import open_consumer, open_producer
+from consumers.intake.committer import Committer, RevocationListener
+from consumers.publish.delivery import PublishFailed
+from consumers.publish.delivery_mode import choose_delivery
+from consumers.intake.loop import COUNTS as INTAKE_COUNTS, Intake
+from consumers.intake.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Partition, Position
-from consumers.offsets import OffsetTracker
-from consumers.publish_clock import PublishClock
-from consumers.publisher import Publisher
-from consumers.topics import ensure_topics
-from consumers.transactions import Transactions
+from consumers.intake.offsets import OffsetTracker
+from consumers.intake.publish_clock import PublishClock
+from consumers.publish.publisher import Publisher
+from consumers.kafka_client.topics import ensure_topics
+from consumers.publish.transactions import Transactions
 from schemas import KafkaConfig
 
 if sys.version_info < (3, 11):

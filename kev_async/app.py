@@ -26,7 +26,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from consumers import EMBEDDED, KafkaWorker, Outbound, embedded_kafka, run_control_audit, run_control_reader
-from consumers.control_history import refuse_unverifiable
+from consumers.control.history import refuse_unverifiable
 from engine import Engine, EngineOptions, load_model
 from engine.model.loader import cache_dir
 from kev_async.engine_actor import engine_actor
@@ -102,7 +102,7 @@ async def serve(cfg: KevConfig, shutdown: Shutdown, *, model=None, embedded_opti
     metrics.watch_mailboxes(questions, control, answers)
     async with metrics.endpoint(cfg.metrics.port, cfg.metrics.host), embedded_kafka(cfg.kafka, cfg.broker) as kafka_cfg:
         # Before any actor starts: kept commands signed by keys this worker lacks would revert silently (a key
-        # rotation half done), so it refuses to start, naming them (consumers/control_history.py).
+        # rotation half done), so it refuses to start, naming them (consumers/control/history.py).
         await refuse_unverifiable(kafka_cfg)
         worker = KafkaWorker(kafka_cfg, questions.send, answers.receive, consumer_options=group_options,
                              read_ahead=cfg.kafka.read_ahead or cfg.router.max_parallel_queries,
@@ -149,7 +149,7 @@ async def control_actor(kafka_cfg: KafkaConfig, control: Mailbox, shutdown: Shut
     every command already on the topic has been applied; each command is sent with `ask` and applied
     before the next.
     Adapters load only from under `adapters.root`. Once ready it also joins the control audit
-    (consumers/control_audit.py: dead letters for rejected commands, one per record for the fleet, and
+    (consumers/control/audit.py: dead letters for rejected commands, one per record for the fleet, and
     tombstones for old cancels); `audit=None` leaves it out. The audit retries its own failures and
     never raises, so a broker that is briefly away never restarts this actor (and its replay).
     """

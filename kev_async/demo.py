@@ -15,8 +15,8 @@ from functools import partial
 import anyio
 import msgspec
 
-from consumers.clients import open_consumer, open_producer
-from consumers.record_guard import unreadable
+from consumers.kafka_client.clients import open_consumer, open_producer
+from consumers.kafka_client.record_guard import unreadable
 from kev_async.app import serve
 from kev_async.gateway.demo import demo_over_http
 from kev_async.gateway.exposure import with_session_trust_key

@@ -20,7 +20,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from consumers.delivery import PublishFailed
+from consumers.publish.delivery import PublishFailed
 from kev_async.runtime.lifecycle import Shutdown
 from kev_async.runtime.supervisor import ReadyOnce
 

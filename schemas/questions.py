@@ -75,7 +75,7 @@ class QuestionEvent(Struct, frozen=True, omit_defaults=True):
     messages: Annotated[tuple[Message, ...], Meta(max_length=MESSAGES_CEILING)] | None = None
     request_id: Id | None = None
     # tenant, cache_salt, priority, reply_topic and a timeout_ms above kafka.trust.max_unsigned_timeout_ms
-    # are server-side: honoured only from a signed record (consumers/trust.py)
+    # are server-side: honoured only from a signed record (consumers/intake/trust.py)
     tenant: Id | None = None
     cache_salt: Id | None = None  # prefix cache scope within the tenant: only equal salts share a prefix
     system: Text | None = None

@@ -3,7 +3,7 @@
 This is part of the wire contract, so any Kafka client can reproduce it: every partition choice
 is Kafka's own default-partitioner arithmetic, `(murmur2(key) & 0x7fffffff) % n`, applied to a
 documented key, except round_robin (a counter) and consistent_hash (a ring built from the same
-murmur2). `consumers.partitioner` applies it to a topic; `engine.schedule.routing` uses the same keys for
+murmur2). `consumers.publish.partitioner` applies it to a topic; `engine.schedule.routing` uses the same keys for
 the audit bucket. Lives in `schemas` because both of them may import it and nothing else is shared.
 
 semantic_hash is the one strategy not computed here: it hashes the question's vector from the model's

@@ -14,8 +14,8 @@ under another key (another partition, another command's key). The stamp is the s
 the epoch, header `kev-signed-at`) of a question or cancel, and the sequence number (header
 `kev-sequence`) of a command: `next_sequence()`, the time in ms, or one above the last this process
 used if the clock has not moved. What is done with a stamp is the gates' policy: a question too old
-is refused (consumers/trust.py), a command whose number is not above the last applied for its key is
-refused (consumers/control.py).
+is refused (consumers/intake/trust.py), a command whose number is not above the last applied for its key is
+refused (consumers/control/reader.py).
 
 Keys are HMAC-SHA256 secrets (whoever verifies can sign) or Ed25519 key pairs (a process given only
 the public key verifies and cannot sign: `Signer.from_config` refuses). Each key has scopes, the

@@ -70,7 +70,7 @@ def signer_for(purpose: str):
 async def produce_commands(bootstrap: str, topic: str, events: list) -> None:
     """Control commands as an operator's tool sends them (cancels as the gateway does): signed, keyed by what
     each changes."""
-    from consumers.control import control_record, purpose_of
+    from consumers.control.reader import control_record, purpose_of
     from schemas.control import control_key
 
     records = [control_record(e, signer_for(purpose_of(control_key(e))), topic) for e in events]

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from kafka_fixtures import end_offsets
 from polling import eventually
 
-from consumers.broker import EMBEDDED_FETCH_WAIT_MS
+from consumers.broker.embedded import EMBEDDED_FETCH_WAIT_MS
 from kev_async.drill.checks import log_events as parse_log_events
 from schemas import DEFAULT_MODEL, AnswerEvent, KafkaConfig, decode_answer
 

@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from consumers import EmbeddedBroker
-from consumers.object_store import ObjectStoreError
+from consumers.broker.object_store import ObjectStoreError
 
 pytest.register_assert_rewrite("kafka_fixtures")
 from kafka_fixtures import (  # noqa: E402

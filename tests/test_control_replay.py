@@ -171,7 +171,7 @@ async def test_the_audit_tombstones_old_cancels_only_and_holds_its_commit_at_a_y
     from kafka_fixtures import FAST_GROUP, read_topic
 
     from consumers import create_topics, run_control_audit
-    from consumers.control_audit import audit_group
+    from consumers.control.audit import audit_group
 
     kafka = kafka_config(kafka_broker, trust=TRUST)
     ctl = kafka.control_topic

@@ -166,7 +166,7 @@ async def test_a_producer_whose_clock_runs_70_s_behind_still_gets_its_60_s_quest
 
 
 def test_only_a_stamp_at_the_partitions_head_older_than_its_timeout_is_disbelieved():
-    from consumers.publish_clock import PublishClock
+    from consumers.intake.publish_clock import PublishClock
 
     clock = PublishClock(60_000, head_records=64, now_ms=lambda: 1_000_000.0)
     assert clock.published_ms(930_000, None, lag=0) is None  # 70 s "old" at the head: the clock is wrong

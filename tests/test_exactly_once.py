@@ -1,4 +1,4 @@
-"""`kafka.delivery: exactly_once` (consumers/transactions.py) on the embedded Tansu, and what Tansu does.
+"""`kafka.delivery: exactly_once` (consumers/publish/transactions.py) on the embedded Tansu, and what Tansu does.
 
 What Tansu does, each shown against the real broker: it refuses aiokafka's InitProducerId v0 and takes
 v3 (Kev's adapter); its read_committed fetches stop at the first open transaction (the last stable
@@ -51,11 +51,11 @@ from serve_fixtures import ROOT, KevProcess, free_port, kev_processes, log_event
 from structlog.testing import capture_logs
 
 from consumers import EmbeddedBroker, Outbound, create_topics, topic_plan
-from consumers.clients import fetch, open_consumer, open_producer
-from consumers.init_producer_id import InitProducerIdRequest
+from consumers.kafka_client.clients import fetch, open_consumer, open_producer
+from consumers.kafka_client.init_producer_id import InitProducerIdRequest
 from consumers.messages import Partition
-from consumers.record_guard import GuardedRecords
-from consumers.delivery_mode import DeliveryUnavailable, choose_delivery
+from consumers.kafka_client.record_guard import GuardedRecords
+from consumers.publish.delivery_mode import DeliveryUnavailable, choose_delivery
 from schemas import AnswerEvent, decode_answer
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures"]

@@ -207,9 +207,9 @@ def test_unknown_ids_are_404s_and_a_bad_batch_a_400(client):
 
 
 def test_files_in_the_object_store_the_durable_broker_uses(batch_stack, tmp_path, monkeypatch):
-    """gateway.files_url on the SeaweedFS store of consumers/object_store.py, given the broker's environment:
+    """gateway.files_url on the SeaweedFS store of consumers/broker/object_store.py, given the broker's environment:
     the batch's input and output are blobs there, and the batch runs as with a directory."""
-    from consumers.object_store import BUCKET, LocalObjectStore
+    from consumers.broker.object_store import BUCKET, LocalObjectStore
 
     store = LocalObjectStore(tmp_path / "store").start()
     try:

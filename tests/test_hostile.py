@@ -33,7 +33,7 @@ from serve_fixtures import (  # noqa: E402
 )
 
 from consumers import create_topics, topic_plan  # noqa: E402
-from consumers.control import control_record  # noqa: E402
+from consumers.control.reader import control_record  # noqa: E402
 from consumers.messages import HEADER_DLQ_REASON  # noqa: E402
 from schemas import ControlEvent, TrustConfig  # noqa: E402
 from schemas.signing import QUESTION, Signer  # noqa: E402
@@ -173,7 +173,7 @@ async def test_hostile_records_end_in_their_outcome_and_both_workers_keep_consum
     assert "request_id" in answers["huge-request-id"].error.message
     assert answers["huge-prompt"].error.code == "too_large"
     # At the head of its partition yet stamped older than its timeout: the producer's clock is behind, not the
-    # question late (consumers/publish_clock.py; a stamp deep in a backlog: tests/test_deadlines.py).
+    # question late (consumers/intake/publish_clock.py; a stamp deep in a backlog: tests/test_deadlines.py).
     assert answers["skewed-clock"].finish_reason in ("length", "stop") and answers["skewed-clock"].usage.prompt_tokens
     # The unsigned update_defaults was not applied: a question without max_new_tokens got more than one.
     assert answers["late-0"].usage.completion_tokens > 1 and answers["late-1"].usage.completion_tokens > 1

@@ -102,7 +102,7 @@ async def test_a_worker_refuses_the_unresolved_embedded_address():
 
 
 def test_every_topic_kev_creates_asks_for_the_configured_replication_and_min_insync_replicas():
-    from consumers.topics import new_topics, topic_configs, topic_plan
+    from consumers.kafka_client.topics import new_topics, topic_configs, topic_plan
 
     cfg = KafkaConfig(replication_factor=3, min_insync_replicas=2)
     asked = {t.name: t for t in new_topics(cfg, topic_plan(cfg), topic_configs(cfg))}

@@ -2,10 +2,10 @@
 
 import pytest
 
-from consumers.backpressure import Watermarks
-from consumers.ledger import Admission, QuestionLedger
+from consumers.intake.backpressure import Watermarks
+from consumers.intake.ledger import Admission, QuestionLedger
 from consumers.messages import Partition, Position, QuestionKey
-from consumers.offsets import OffsetRegression, OffsetTracker
+from consumers.intake.offsets import OffsetRegression, OffsetTracker
 from schemas.principal import ANONYMOUS, Principal
 
 P0 = Partition("kev.questions", 0)

@@ -184,7 +184,7 @@ async def test_a_question_id_seen_again_is_not_answered_twice(kafka_broker):
         engine.release.set()
         await read_topic(bootstrap, cfg.answers_topic, 1, linger=0)
         # ... and again after it was answered; then another question, whose commit carries the skipped one's
-        # position where exactly_once is the delivery (consumers/transactions.py `settled`).
+        # position where exactly_once is the delivery (consumers/publish/transactions.py `settled`).
         await produce(bootstrap, cfg.questions_topic, [question("twice"), question("next")])
         await wait_committed(bootstrap, cfg.group_id, cfg.questions_topic, {0: 4})
         answers = await read_topic(bootstrap, cfg.answers_topic, 3, timeout=1.0)
@@ -343,10 +343,10 @@ async def test_an_answer_finished_during_a_rebalance_does_not_hold_up_the_publis
     # this worker kept is published and the one of the partition that moved is left to its new owner.
     from aiokafka import AIOKafkaProducer, TopicPartition
 
-    from consumers.committer import Committer, RevocationListener
-    from consumers.ledger import QuestionLedger
-    from consumers.offsets import OffsetTracker
-    from consumers.publisher import Publisher
+    from consumers.intake.committer import Committer, RevocationListener
+    from consumers.intake.ledger import QuestionLedger
+    from consumers.intake.offsets import OffsetTracker
+    from consumers.publish.publisher import Publisher
     from kafka_fixtures import answer_for
     from schemas import QuestionEvent, error_answer
 

@@ -6,7 +6,7 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.partitioner import murmur2 as aiokafka_murmur2
 
-from consumers.partitioner import Partitioner
+from consumers.publish.partitioner import Partitioner
 from schemas import Message, QuestionEvent
 from schemas.routing import STRATEGIES, HashRing, kafka_partition, murmur2, prefix_key
 

@@ -41,7 +41,7 @@ from aiokafka.errors import (
 from structlog.testing import capture_logs
 
 from consumers import EmbeddedBroker, Inbound, KafkaWorker, Outbound, create_topics, topic_plan
-from consumers.delivery import Next, PublishFailed, decide, record_size
+from consumers.publish.delivery import Next, PublishFailed, decide, record_size
 from kev_async.observe.metrics import Metrics
 from schemas import AnswerEvent, TrustConfig, decode_answer
 from schemas.signing import QUESTION, Signer

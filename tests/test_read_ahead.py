@@ -1,5 +1,5 @@
 """Read-ahead intake through the real broker and `kev serve` in process (tiny model): one tenant's flood
-in a partition does not hide another tenant's question behind it (kafka.read_ahead, consumers/intake.py),
+in a partition does not hide another tenant's question behind it (kafka.read_ahead, consumers/intake/loop.py),
 and offsets are still committed only past answered records; records held past a window are dropped at a
 rebalance and read again by the partition's owner (a KafkaWorker with a stand-in engine)."""
 

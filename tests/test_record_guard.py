@@ -1,4 +1,4 @@
-"""No record's bytes can stop a consumer (consumers/record_guard.py).
+"""No record's bytes can stop a consumer (consumers/kafka_client/record_guard.py).
 
 At the fetch layer: fetch responses read through aiokafka's own PartitionRecords (the fetcher's class,
 as `getmany` uses it) over the guard's record set, for batches with header names that are not UTF-8,
@@ -21,7 +21,7 @@ from aiokafka.structs import TopicPartition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from consumers.record_guard import GuardedRecords, printable_headers, unreadable
+from consumers.kafka_client.record_guard import GuardedRecords, printable_headers, unreadable
 from raw_records import produce_batch, record_batch
 
 TP = TopicPartition("t", 0)

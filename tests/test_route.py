@@ -16,7 +16,7 @@ from kafka_fixtures import FAST_GROUP, committed, kafka_config, produce, read_to
 from serve_fixtures import KevProcess, kev_env, kev_processes  # noqa: E402
 
 from consumers.messages import HEADER_DLQ_REASON  # noqa: E402
-from consumers.partitioner import Partitioner  # noqa: E402
+from consumers.publish.partitioner import Partitioner  # noqa: E402
 from consumers.route import HEADER_ROUTE, RouteService  # noqa: E402
 from schemas import decode_question  # noqa: E402
 

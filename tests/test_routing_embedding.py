@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.partitioner import Partitioner
+from consumers.publish.partitioner import Partitioner
 from engine.routing_embedding import BITS, EmbeddingHash, embedding_table
 from schemas import Message, Params, QuestionEvent
 

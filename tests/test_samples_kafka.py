@@ -73,8 +73,8 @@ async def test_the_samples_go_out_together_and_settle_the_question_at_the_last(k
 
 
 def test_an_answer_with_logprobs_is_cut_with_its_tokens_to_fit_the_record_limit():
-    from consumers.delivery import cut_answer
-    from consumers.records import _answer_size
+    from consumers.publish.delivery import cut_answer
+    from consumers.publish.records import _answer_size
     from schemas import TokenLogprob, TopLogprob
 
     entry = TokenLogprob("tok", 7, -0.5, tuple(TopLogprob(f"t{i}", i, -1.0 - i) for i in range(20)))

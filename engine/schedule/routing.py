@@ -2,7 +2,7 @@
 
 Inside one worker every question gets its own KV blocks whatever its bucket; the bucket is recorded
 in the answer's audit so operators can see how a strategy spreads load. The keys are the ones the
-producer-side partitioner (`consumers.partitioner`, `kev route`) uses to pick a Kafka partition;
+producer-side partitioner (`consumers.publish.partitioner`, `kev route`) uses to pick a Kafka partition;
 both come from `schemas.routing`, so the audit and the partition agree on what groups questions.
 semantic_hash's bucket comes from the model's embedding layer (engine/routing_embedding.py), the same rule
 `kev route` uses, handed in as `semantic`.

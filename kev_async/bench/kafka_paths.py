@@ -141,7 +141,7 @@ def _worker_processes(count: int, model, kafka_cfg):
 
 async def _publish_and_read(kafka_cfg, questions: list[QuestionEvent], offsets: list[float], run: PathRun,
                             workers: int, *, at_reader: bool = False) -> None:
-    from consumers.clients import open_consumer, open_producer  # not for `kev --help`
+    from consumers.kafka_client.clients import open_consumer, open_producer  # not for `kev --help`
 
     published: dict[str, float] = {}  # time.time(): the answer record's timestamp is on the same clock
     # The reader stands in for a downstream service on another machine: it fetches lazily, so its own CPU

@@ -1,5 +1,5 @@
 """`kev control resign` and `kev control keygen`: the operator's side of kafka.trust key rotation
-(consumers/control_history.py; the procedure is in docs/reliability.md#signed-records)."""
+(consumers/control/history.py; the procedure is in docs/reliability.md#signed-records)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _resign(args: argparse.Namespace) -> int:
     from aiokafka.errors import KafkaError  # aiokafka and structlog: not imported for `kev --help`
 
-    from consumers.control_history import resign
+    from consumers.control.history import resign
 
     cfg = load_service_config(args, bootstrap_servers=args.bootstrap_servers)
     if cfg.kafka.bootstrap_servers == EMBEDDED_BROKER:

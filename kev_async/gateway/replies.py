@@ -8,7 +8,7 @@ deltas first, the answer last. The topic is made for this instance at start
 caught up is missed. It is read read_committed: with `kafka.delivery: exactly_once` an answer shows
 once its worker's transaction commits, and never if it aborts (the worker died; the question's next
 owner answers it). The topic then has `kafka.partitions` partitions, one per questions partition,
-since each has its own transactional writer (consumers/transactions.py); one otherwise. An event for
+since each has its own transactional writer (consumers/publish/transactions.py); one otherwise. An event for
 a question nobody waits for (its client left) is dropped. A question redelivered to a second worker
 (its first died mid-answer) streams again under the new worker's attempt id, from seq 0: a stream
 relays the deltas of the first attempt it sees, in seq order, and drops every other attempt's. Whether
@@ -30,8 +30,8 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from consumers import create_topics
-from consumers.clients import fetch, open_consumer
-from consumers.record_guard import unreadable
+from consumers.kafka_client.clients import fetch, open_consumer
+from consumers.kafka_client.record_guard import unreadable
 from schemas import AnswerDelta, AnswerEvent, KafkaConfig, decode_answer, decode_delta
 
 log = structlog.get_logger("kev.gateway.replies")

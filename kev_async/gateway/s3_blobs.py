@@ -1,7 +1,7 @@
 """Blobs in an S3-compatible object store, for the Batch API's files (`gateway.files_url: s3://bucket/prefix/`).
 
 The endpoint and credentials come from the environment, as the embedded broker's Tansu reads them
-(consumers/object_store.py `broker_env`): AWS_ENDPOINT (else AWS's own for AWS_DEFAULT_REGION),
+(consumers/broker/object_store.py `broker_env`): AWS_ENDPOINT (else AWS's own for AWS_DEFAULT_REGION),
 AWS_ALLOW_HTTP=true for a plain-HTTP endpoint, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. So a
 gateway given the broker's environment keeps its files in the store that holds the broker's records.
 Requests are path-style and signed with AWS Signature Version 4 when a key is set.

@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from anyio.abc import TaskStatus
 
 from consumers import EMBEDDED
-from consumers.clients import open_admin, open_producer
+from consumers.kafka_client.clients import open_admin, open_producer
 from kev_async.gateway.app import create_app
 from kev_async.gateway.auth import Authenticator
 from kev_async.gateway.batch_store import BatchStore

@@ -55,7 +55,7 @@ def _for_scenario(base: KevConfig, scenario: Scenario, policy: str) -> KevConfig
 
 
 async def _run(model, cfg: KevConfig, scenario: Scenario, sample: bool) -> tuple[list[Outcome], Samples]:
-    from consumers.topics import ensure_topics
+    from consumers.kafka_client.topics import ensure_topics
     from kev_async.app import serve
     from kev_async.runtime.lifecycle import Shutdown
 
@@ -70,7 +70,7 @@ async def _run(model, cfg: KevConfig, scenario: Scenario, sample: bool) -> tuple
 
 
 async def _ask_and_read(cfg: KevConfig, scenario: Scenario, sample: bool) -> tuple[list[Outcome], Samples]:
-    from consumers.clients import open_consumer, open_producer
+    from consumers.kafka_client.clients import open_consumer, open_producer
 
     kafka = cfg.kafka
     signer = Signer.hmac(BENCH_KEY, BENCH_SECRET)

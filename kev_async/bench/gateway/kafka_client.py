@@ -8,7 +8,7 @@ import time
 import uuid
 
 from consumers import create_topics
-from consumers.clients import open_consumer, open_producer
+from consumers.kafka_client.clients import open_consumer, open_producer
 from kev_async.gateway.replies import FETCH_MAX_WAIT_MS
 from schemas import Message, Params, QuestionEvent, decode_answer, encode
 from schemas.signing import QUESTION, Signer

@@ -10,7 +10,7 @@ from functools import partial
 import anyio
 import msgspec
 
-from consumers.clients import open_consumer, open_producer
+from consumers.kafka_client.clients import open_consumer, open_producer
 from kev_async.app import serve
 from kev_async.bench.load.report import Outcome, SystemRun
 from kev_async.bench.load.trace import TraceQuestion, question_event

@@ -39,17 +39,17 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from anyio.streams.memory import MemoryObjectSendStream
 
-from consumers.backpressure import Watermarks
-from consumers.clients import fetch
-from consumers.committer import RevocationListener
-from consumers.ledger import Admission, QuestionLedger, digest
+from consumers.intake.backpressure import Watermarks
+from consumers.kafka_client.clients import fetch
+from consumers.intake.committer import RevocationListener
+from consumers.intake.ledger import Admission, QuestionLedger, digest
 from consumers.messages import Inbound, Position, QuestionKey
-from consumers.offsets import OffsetTracker
-from consumers.publish_clock import PublishClock
-from consumers.publisher import Publisher
-from consumers.read_ahead import ReadAhead
-from consumers.record_guard import printable_headers, unreadable
-from consumers.trust import QuestionGate
+from consumers.intake.offsets import OffsetTracker
+from consumers.intake.publish_clock import PublishClock
+from consumers.publish.publisher import Publisher
+from consumers.intake.read_ahead import ReadAhead
+from consumers.kafka_client.record_guard import printable_headers, unreadable
+from consumers.intake.trust import QuestionGate
 from schemas import (
     InvalidQuestion,
     LimitsConfig,
@@ -62,7 +62,7 @@ from schemas import (
 )
 from schemas.signing import QUESTION, Verification
 
-log = structlog.get_logger("kev.consumers.intake")
+log = structlog.get_logger("kev.consumers.intake.loop")
 
 COUNTS = ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_held")  # Intake.counts
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka.structs import ConsumerRecord
 
-from consumers.clients import fetch, open_consumer, open_producer
-from consumers.control import (
+from consumers.kafka_client.clients import fetch, open_consumer, open_producer
+from consumers.control.reader import (
     CANCEL_KEY_PREFIX,
     Command,
     ControlGate,
@@ -32,11 +32,11 @@ from consumers.control import (
     Sequences,
     caught_up,
 )
-from consumers.topics import COMPACTED, create_topics
+from consumers.kafka_client.topics import COMPACTED, create_topics
 from schemas import KafkaConfig, decode_control
 from schemas.signing import CONTROL, Signer, TrustKeyError, next_sequence
 
-log = structlog.get_logger("kev.consumers.control_history")
+log = structlog.get_logger("kev.consumers.control.history")
 
 READ_TIMEOUT_S = 15.0  # as the control reader's catch-up
 RESIGN_HINT = ("sign them again with `kev control resign --config FILE` (FILE's kafka.trust holding the old keys, "

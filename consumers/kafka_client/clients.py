@@ -34,11 +34,13 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, RecordTooLargeError
 from aiokafka.structs import TopicPartition
 
-from consumers import init_producer_id, record_guard
-from consumers.security import client_options
+from consumers.kafka_client import init_producer_id
+
+from consumers.kafka_client import record_guard
+from consumers.kafka_client.security import client_options
 from schemas import KafkaConfig
 
-log = structlog.get_logger("kev.consumers.clients")
+log = structlog.get_logger("kev.consumers.kafka_client.clients")
 
 record_guard.install()
 init_producer_id.install()

@@ -2,7 +2,7 @@
 Kafka transaction.
 
 With `kafka.delivery: exactly_once` every questions partition a worker owns has a transactional
-producer of its own that fences the partition's previous owner (consumers/partition_transaction.py).
+producer of its own that fences the partition's previous owner (consumers/publish/partition_transaction.py).
 
 Everything that ends a question of the partition (its answer, an error answer, a dead letter) goes
 out in the partition's open transaction, and its settlement (the ledger, the offset tracker, the
@@ -37,14 +37,14 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import IllegalOperation, KafkaError
 
-from consumers.clients import STOP_TIMEOUT_S, producer_options, quietly
-from consumers.delivery import PublishFailed, short_error
+from consumers.kafka_client.clients import STOP_TIMEOUT_S, producer_options, quietly
+from consumers.publish.delivery import PublishFailed, short_error
 from consumers.messages import Partition
-from consumers.offsets import OffsetTracker
-from consumers.partition_transaction import Transaction, transactional_id
+from consumers.intake.offsets import OffsetTracker
+from consumers.publish.partition_transaction import Transaction, transactional_id
 from schemas import KafkaConfig
 
-log = structlog.get_logger("kev.consumers.transactions")
+log = structlog.get_logger("kev.consumers.publish.transactions")
 
 REVOKE_WAIT_S = 1.0  # on revocation, how long unacked records may hold the commit before the transaction aborts
 REDO_TRIES = 3  # a transaction whose records come back acked without an offset is sent again this often at most

@@ -31,7 +31,7 @@ import anyio
 import platformdirs
 import structlog
 
-log = structlog.get_logger("kev.consumers.object_store")
+log = structlog.get_logger("kev.consumers.broker.object_store")
 
 BUCKET = "kev-broker"
 _HOST = "127.0.0.1"

@@ -1,5 +1,5 @@
 """One owned questions partition's transactional producer, the transaction it has open, and the
-settlements of the records acked into it (consumers/transactions.py commits them).
+settlements of the records acked into it (consumers/publish/transactions.py commits them).
 
 With `kafka.delivery: exactly_once` every questions partition a worker owns has a transactional
 producer of its own, `transactional_id` = "<group>/<topic>/<partition>". Starting it (InitProducerId)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from aiokafka.admin import NewTopic
 from aiokafka.errors import for_code
 
-from consumers.clients import open_admin
+from consumers.kafka_client.clients import open_admin
 from schemas import KafkaConfig
 
 _TOPIC_ALREADY_EXISTS = 36

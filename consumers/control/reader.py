@@ -9,7 +9,7 @@ the whole topic in order rebuilds the adapter registry and the sampling defaults
 commanded. "earliest" is also the only reliable choice on the embedded Tansu broker, whose answers
 for "latest" / seek_to_end (ListOffsets) are wrong; the highwater it sends with each fetch is
 right, and that is what tells the reader it has caught up. Order holds within a partition only,
-so the control topic has one partition (consumers.topics creates it so).
+so the control topic has one partition (consumers.kafka_client.topics creates it so).
 
 Cancels (`action: cancel`) are skipped while catching up: they were meant for questions in flight
 then, and a question this worker takes later under the same id must not be cancelled by history.
@@ -59,10 +59,10 @@ from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from consumers.clients import fetch, open_consumer
-from consumers.control_gate import (CANCEL_KEY_PREFIX, DUPLICATE, Command, ControlGate, Rejected, Sequences,
+from consumers.kafka_client.clients import fetch, open_consumer
+from consumers.control.gate import (CANCEL_KEY_PREFIX, DUPLICATE, Command, ControlGate, Rejected, Sequences,
                                     purpose_of, shown_key)
-from consumers.topics import COMPACTED, create_topics
+from consumers.kafka_client.topics import COMPACTED, create_topics
 from schemas import ControlEvent, KafkaConfig, control_key, decode_control, encode
 from schemas.signing import Signer
 
@@ -70,12 +70,12 @@ from schemas.signing import Signer
 __all__ = ["CANCEL_KEY_PREFIX", "CANCEL_MAX_AGE_S", "DUPLICATE", "Command", "ControlGate", "Rejected", "Sequences",
            "caught_up", "cancel_age_ms", "control_record", "purpose_of", "run_control_reader", "send_control"]
 
-log = structlog.get_logger("kev.consumers.control")
+log = structlog.get_logger("kev.consumers.control.reader")
 
 CANCEL_MAX_AGE_S = 600.0  # a cancel older than this (record timestamp) is history: not sent on, tombstoned
 # Said with an unsigned command skipped: what an operator upgrading from unsigned control does about it.
 UNSIGNED_HINT = ("control commands are applied only when signed (kafka.trust): publish this command again, "
-                 "signed (consumers.control.send_control with a key in kafka.trust)")
+                 "signed (consumers.control.reader.send_control with a key in kafka.trust)")
 ROOT_HINT = ("; its path must lie under adapters.root (default ~/.cache/kev/adapters; a relative path is "
              "taken under it): set adapters.root to the directory that holds your adapters")
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import structlog
 from aiokafka.structs import ConsumerRecord
 
-from consumers.record_guard import unreadable
+from consumers.kafka_client.record_guard import unreadable
 from schemas import ControlEvent, InvalidControl, KafkaConfig, control_key, decode_control
 from schemas.signing import CANCEL, CONTROL, Purpose, Verification, Verifier
 
-log = structlog.get_logger("kev.consumers.control")
+log = structlog.get_logger("kev.consumers.control.reader")
 
 CANCEL_KEY_PREFIX = b"cancel:"  # a cancel's record key (control_key): signed for CANCEL, every other command CONTROL
 

@@ -12,8 +12,8 @@ import uuid
 import anyio
 from aiokafka import AIOKafkaProducer
 
-from consumers.clients import STOP_TIMEOUT_S, producer_options, quietly
-from consumers.delivery import short_error
+from consumers.kafka_client.clients import STOP_TIMEOUT_S, producer_options, quietly
+from consumers.publish.delivery import short_error
 from schemas import KafkaConfig
 
 

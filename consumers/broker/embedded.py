@@ -3,7 +3,7 @@
 `async with EmbeddedBroker() as broker:` (or `with`, or `start()`/`stop()` for a pytest session
 fixture) gives `broker.bootstrap_servers` on a free loopback port. With `storage="memory"` nothing
 survives a stop; with `storage="durable"` Tansu keeps topics, records and committed offsets in a
-local object store under `data_dir` (consumers/object_store.py), and `arestart()` brings the broker
+local object store under `data_dir` (consumers/broker/object_store.py), and `arestart()` brings the broker
 back on the same port with all of it (on memory storage it comes back empty).
 `embedded_kafka(cfg, broker_cfg)` starts one only when `kafka.bootstrap_servers` is "embedded", so
 callers need not care which kind they got. The broker and its object store have no authentication, so
@@ -33,12 +33,12 @@ import msgspec
 import structlog
 from aiokafka.errors import KafkaError
 
-from consumers.clients import open_admin
-from consumers.object_store import LocalObjectStore, default_data_dir, read_tail
-from consumers.topics import create_topics
+from consumers.kafka_client.clients import open_admin
+from consumers.broker.object_store import LocalObjectStore, default_data_dir, read_tail
+from consumers.kafka_client.topics import create_topics
 from schemas import EMBEDDED_BROKER, BrokerConfig, KafkaConfig
 
-log = structlog.get_logger("kev.consumers.broker")
+log = structlog.get_logger("kev.consumers.broker.embedded")
 
 EMBEDDED = EMBEDDED_BROKER
 _PORT_ATTEMPTS = 3  # a free port we picked can be taken before the broker binds it

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import structlog
 
-log = structlog.get_logger("kev.consumers.intake")
+log = structlog.get_logger("kev.consumers.intake.loop")
 
 FUTURE_TOLERANCE_MS = 1_000  # a producer this much ahead is only a little ahead: not worth a line
 LOG_EVERY_S = 60.0

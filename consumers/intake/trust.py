@@ -41,7 +41,7 @@ import structlog
 from schemas import QuestionEvent, TrustConfig
 from schemas.signing import QUESTION, Headers, Verification, Verifier
 
-log = structlog.get_logger("kev.consumers.trust")
+log = structlog.get_logger("kev.consumers.intake.trust")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """One batch of a fetch response, read so that nothing in it can raise (the fetch guard's reader,
-consumers/record_guard.py): aiokafka's own reader first; the records it cannot read are read again here
+consumers/kafka_client/record_guard.py): aiokafka's own reader first; the records it cannot read are read again here
 record by record, header names decoded with `surrogateescape`, and what does not parse at all comes
 through as one stand-in record whose checksum is an `Unreadable` naming why."""
 

@@ -1,6 +1,6 @@
 """What a publish failure means, and records cut to fit the producer's size limit.
 
-What to do after a failed publish (`decide`; consumers/failed_records.py acts on it):
+What to do after a failed publish (`decide`; consumers/publish/failed_records.py acts on it):
 - transient (the broker is away, a leader moves, a request timed out): send the same record again
   with backoff, within a window counted from the record's first send (`Retries`); on a caller's reply
   topic the window is the question's deadline, then the record's fallback ends the question (a dead

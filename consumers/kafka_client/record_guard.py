@@ -7,7 +7,7 @@ does not parse makes `getmany` raise for its whole partition, again at every fet
 the consumer can never get past it, and on a compacted topic replayed from the start (kev.control)
 no worker can start any more.
 
-`install()` (run once by consumers/clients.py, before any consumer exists) puts `GuardedRecords` where
+`install()` (run once by consumers/kafka_client/clients.py, before any consumer exists) puts `GuardedRecords` where
 aiokafka's fetcher builds a fetch response's record set. It splits the response into batches itself
 and reads each one with aiokafka's own reader (the C one where built); only a batch that reader cannot
 finish is read again here, in Python, record by record:
@@ -41,8 +41,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 
-from consumers.batch_reader import LEGACY_MIN, LOG_OVERHEAD, Unreadable, read_batch, unreadable
-from consumers.transaction_filter import READ_COMMITTED, Aborted, batch_fates, committed_only
+from consumers.kafka_client.batch_reader import LEGACY_MIN, LOG_OVERHEAD, Unreadable, read_batch, unreadable
+from consumers.kafka_client.transaction_filter import READ_COMMITTED, Aborted, batch_fates, committed_only
 
 __all__ = ["GuardedRecords", "Unreadable", "install", "printable_headers", "unreadable"]
 
@@ -126,6 +126,6 @@ def install() -> None:
         return
     if current is None or not hasattr(fetcher, "PartitionRecords") or fetcher.READ_COMMITTED != READ_COMMITTED:
         raise RuntimeError(f"{_KNOWN_FETCHER} no longer builds MemoryRecords where Kev's fetch guard expects it: "
-                           "this aiokafka is newer than consumers/record_guard.py knows; pin aiokafka or update the guard")
+                           "this aiokafka is newer than consumers/kafka_client/record_guard.py knows; pin aiokafka or update the guard")
     fetcher.MemoryRecords = GuardedRecords
     fetcher.PartitionRecords = committed_only(fetcher.PartitionRecords, GuardedRecords)

@@ -7,12 +7,12 @@ answer and delta is stamped with who asked (the `principal` header, `audit.princ
 attempt that computed it (`AnswerDelta.attempt`, `audit.attempt`: one per Inbound), so the engine
 need not know either, and a reader can tell a redelivered question's second stream from the first.
 
-The publisher decides what goes where; consumers/records.py builds each record (cut to fit, with
-what ends its question should the broker refuse it), consumers/reply_topics.py says which reply
-topics not to try now, and consumers/sender.py sends, retries and settles. Settle tasks live in the
+The publisher decides what goes where; consumers/publish/records.py builds each record (cut to fit, with
+what ends its question should the broker refuse it), consumers/publish/reply_topics.py says which reply
+topics not to try now, and consumers/publish/sender.py sends, retries and settles. Settle tasks live in the
 publisher's own task group, so leaving `async with Publisher(...)` waits for every ack in flight.
 
-No record stops the loop (consumers/delivery.py `decide` sorts the failures): every answer is cut to
+No record stops the loop (consumers/publish/delivery.py `decide` sorts the failures): every answer is cut to
 fit `max_request_size` before it is sent (`truncated` says so); a transient failure is sent again
 with backoff until `retry_s` after the record's first send; a record refused for itself (too large,
 not encodable) ends its question another way (an answer becomes an error answer, then a dead letter;
@@ -28,9 +28,9 @@ An answer finished while a rebalance is under way is decided in a task of its ow
 assignment is known, so the answers of the partitions this worker keeps are not held up behind it.
 
 With exactly_once delivery (`transactions`), what ends a question goes out in its partition's Kafka
-transaction and settles at its commit; deltas stay outside any transaction (consumers/transactions.py).
+transaction and settles at its commit; deltas stay outside any transaction (consumers/publish/transactions.py).
 
-A question with params.n samples has n answers (consumers/samples.py): they are gathered, sent together
+A question with params.n samples has n answers (consumers/publish/samples.py): they are gathered, sent together
 (one transaction for all under exactly_once, so a crash redoes all or none), and its position is done
 once the last of them is acked. A reader tells them apart by (question_id, index).
 """
@@ -46,17 +46,17 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from consumers.delivery import SIZE_HEADROOM
-from consumers.ledger import QuestionLedger
+from consumers.publish.delivery import SIZE_HEADROOM
+from consumers.intake.ledger import QuestionLedger
 from consumers.messages import Inbound, Outbound, Position, new_attempt
-from consumers.records import Headers, RecordBuilder
-from consumers.reply_topics import ReplyTopics
-from consumers.samples import Samples
-from consumers.sender import ACK_WAIT_S, Sender
-from consumers.transactions import Transactions
+from consumers.publish.records import Headers, RecordBuilder
+from consumers.publish.reply_topics import ReplyTopics
+from consumers.publish.samples import Samples
+from consumers.publish.sender import ACK_WAIT_S, Sender
+from consumers.publish.transactions import Transactions
 from schemas import ANONYMOUS, AnswerDelta, AnswerEvent, KafkaConfig, Principal
 
-log = structlog.get_logger("kev.consumers.publisher")
+log = structlog.get_logger("kev.consumers.publish.publisher")
 
 # An answer finished at (or after) its question's deadline still gets this long on its reply topic: one
 # try, where a window of nothing would not send it at all.
@@ -125,7 +125,7 @@ class Publisher:
                            reply_topic: str | None = None) -> None:
         """An answer for a question the engine never saw (invalid, refused, a conflicting id) to `principal`,
         on its `reply_topic` (a signed asker's, checked by the caller) or else the answers topic; settles
-        `source`. The question keeps no id in the ledger (see consumers/intake.py)."""
+        `source`. The question keeps no id in the ledger (see consumers/intake/loop.py)."""
         answer = _stamped(answer, principal, new_attempt())
         topic = reply_topic or self.cfg.answers_topic
         await self._sender.send(self._records.answer(topic, answer, "error_answers", (source,), answer.question_id,

@@ -23,9 +23,9 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from consumers.messages import Partition
-from consumers.offsets import OffsetTracker
+from consumers.intake.offsets import OffsetTracker
 
-log = structlog.get_logger("kev.consumers.committer")
+log = structlog.get_logger("kev.consumers.intake.committer")
 
 
 class Committer:
@@ -89,7 +89,7 @@ class Committer:
 
 class RevocationListener(ConsumerRebalanceListener):
     """Commits the revoked partitions' finished work; `epoch` tells the fetch loop a rebalance began.
-    `committer` is a Committer, or exactly_once's Transactions (consumers/transactions.py), which also
+    `committer` is a Committer, or exactly_once's Transactions (consumers/publish/transactions.py), which also
     starts each assigned partition's transactional producer before its first fetch.
 
     `before_commit` (the publisher's wait for its acks in flight, bounded) runs first, so an answer

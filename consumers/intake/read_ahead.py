@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import anyio
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from consumers.offsets import OffsetTracker
+from consumers.intake.offsets import OffsetTracker
 
 
 class ReadAhead:

@@ -1,13 +1,13 @@
 """Read committed on a broker that lists no aborted transactions (the embedded Tansu): a fetch response's
 transactional batches are matched with their producer's next control marker in the same response (see
-consumers/record_guard.py's docstring). aiokafka drops only the aborted transactions a broker lists."""
+consumers/kafka_client/record_guard.py's docstring). aiokafka drops only the aborted transactions a broker lists."""
 
 from __future__ import annotations
 
 from aiokafka.record.control_record import ABORT_MARKER, ControlRecord
 from aiokafka.record.default_records import DefaultRecordBatch
 
-from consumers.batch_reader import MAGIC_AT, V2_HEADER
+from consumers.kafka_client.batch_reader import MAGIC_AT, V2_HEADER
 
 _TRANSACTIONAL, _CONTROL = 0x10, 0x20  # v2 batch attributes
 READ_COMMITTED = 1  # aiokafka's isolation level value

@@ -47,8 +47,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from anyio.abc import TaskStatus
 
-from consumers.clients import fetch, open_consumer, open_producer
-from consumers.control import (
+from consumers.kafka_client.clients import fetch, open_consumer, open_producer
+from consumers.control.reader import (
     CANCEL_KEY_PREFIX,
     CANCEL_MAX_AGE_S,
     Command,
@@ -64,10 +64,10 @@ from consumers.messages import (
     HEADER_DLQ_REASON,
     HEADER_DLQ_TOPIC,
 )
-from consumers.record_guard import printable_headers
+from consumers.kafka_client.record_guard import printable_headers
 from schemas import KafkaConfig
 
-log = structlog.get_logger("kev.consumers.control_audit")
+log = structlog.get_logger("kev.consumers.control.audit")
 
 
 def audit_group(cfg: KafkaConfig) -> str:

@@ -1,8 +1,8 @@
 """A record the broker did not take: what the sender sends next in its place.
 
-consumers/delivery.py `decide` says what a failure means; here it becomes the next record: the same one
-to retry, its fallback (consumers/records.py: an error answer, a dead letter; never another topic),
-nothing, or PublishFailed. A reply topic found unusable is avoided for a while (consumers/reply_topics.py)
+consumers/publish/delivery.py `decide` says what a failure means; here it becomes the next record: the same one
+to retry, its fallback (consumers/publish/records.py: an error answer, a dead letter; never another topic),
+nothing, or PublishFailed. A reply topic found unusable is avoided for a while (consumers/publish/reply_topics.py)
 and its next records go to their fallback at once (`fail_fast`).
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import structlog
 
-from consumers.delivery import Next, PublishFailed, Retries, decide, short_error
-from consumers.records import Record
-from consumers.reply_topics import ReplyTopics, UnusableReplyTopic
+from consumers.publish.delivery import Next, PublishFailed, Retries, decide, short_error
+from consumers.publish.records import Record
+from consumers.publish.reply_topics import ReplyTopics, UnusableReplyTopic
 
-log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
+log = structlog.get_logger("kev.consumers.publish.publisher")  # the publisher's lines, whichever of its modules writes them
 
 
 def fail_fast(record: Record, unusable: UnusableReplyTopic) -> Record | None:

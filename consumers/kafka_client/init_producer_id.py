@@ -6,7 +6,7 @@ the producer id and epoch a producer already holds, -1 and -1 for a fresh one. T
 form, v0's missing fields included, with UnknownServerError: so aiokafka's transactional producer
 could not start there (`UnknownError`, error -1), while librdkafka, which sends v3 and up, could.
 
-`install()` (run once by consumers/clients.py, before any producer exists) makes aiokafka's sender
+`install()` (run once by consumers/kafka_client/clients.py, before any producer exists) makes aiokafka's sender
 build `InitProducerIdRequest` below, which offers v0 and v3: aiokafka's own negotiation picks v3 from
 any broker that speaks it (Tansu, Apache Kafka 2.5 and later) and v0 from older ones. v3 with -1 and
 -1 asks for what v0 asks for, a fresh producer id (or the transactional id's, its epoch bumped), so
@@ -70,6 +70,6 @@ def install() -> None:
         return
     if current is not transaction.InitProducerIdRequest or hasattr(transaction, "InitProducerIdRequest_v3"):
         raise RuntimeError("aiokafka.producer.sender no longer builds InitProducerIdRequest v0 where "
-                           "consumers/init_producer_id.py expects it: this aiokafka is newer than Kev's adapter "
+                           "consumers/kafka_client/init_producer_id.py expects it: this aiokafka is newer than Kev's adapter "
                            "knows (it may send v3 itself); pin aiokafka or update the adapter")
     sender.InitProducerIdRequest = InitProducerIdRequest

@@ -22,11 +22,11 @@ import msgspec
 import structlog
 
 from consumers import messages as m
-from consumers.delivery import cut_answer, is_own_fault, is_too_large, record_size, short_error
+from consumers.publish.delivery import cut_answer, is_own_fault, is_too_large, record_size, short_error
 from consumers.messages import Position, QuestionKey
 from schemas import SCHEMA_VERSION, AnswerDelta, AnswerEvent, Audit, KafkaConfig, encode, error_answer
 
-log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
+log = structlog.get_logger("kev.consumers.publish.publisher")  # the publisher's lines, whichever of its modules writes them
 
 Headers = list[tuple[str, bytes]]
 HEADER_DLQ_CUT = "dlq.cut"  # on a dead letter whose value was cut to fit: the original value's size

@@ -4,15 +4,15 @@
 broker's ack (acks=all) and only then reports the source positions as done. Those tasks run in the
 publisher's task group, so leaving `async with Publisher(...)` waits for every ack in flight.
 
-A failure is sorted by consumers/delivery.py `decide` (consumers/failed_records.py): a transient one
+A failure is sorted by consumers/publish/delivery.py `decide` (consumers/publish/failed_records.py): a transient one
 is sent again with backoff until `retry_s` after the record's first send (on a caller's reply topic:
 the record's own window, the question's deadline); a record refused for itself, or one its reply topic
-did not take within its window, is replaced by its fallback (consumers/records.py: an error answer, a
+did not take within its window, is replaced by its fallback (consumers/publish/records.py: an error answer, a
 dead letter; never another topic); a reply topic the broker refuses is avoided
-(consumers/reply_topics.py): its next records go to their fallback at once. What is left raises
+(consumers/publish/reply_topics.py): its next records go to their fallback at once. What is left raises
 PublishFailed, and the source of that record is never settled, so never committed.
 
-With exactly_once delivery (a `transactions`, consumers/transactions.py) a record that ends a question
+With exactly_once delivery (a `transactions`, consumers/publish/transactions.py) a record that ends a question
 goes out in the open transaction of its questions partition, to partition `questions partition mod
 partitions` of its topic (a delta, outside any transaction, to the same one), and once acked its
 settlement waits for that transaction's commit; an aborted transaction's records are settled never.
@@ -29,16 +29,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from anyio.abc import TaskGroup
 
-from consumers.delivery import PublishFailed, Retries
-from consumers.failed_records import after_failure, fail_fast
-from consumers.ledger import QuestionLedger
+from consumers.publish.delivery import PublishFailed, Retries
+from consumers.publish.failed_records import after_failure, fail_fast
+from consumers.intake.ledger import QuestionLedger
 from consumers.messages import Position
-from consumers.partition_transaction import Deferred, Transaction
-from consumers.records import Record
-from consumers.reply_topics import ReplyTopics
-from consumers.transactions import Transactions
+from consumers.publish.partition_transaction import Deferred, Transaction
+from consumers.publish.records import Record
+from consumers.publish.reply_topics import ReplyTopics
+from consumers.publish.transactions import Transactions
 
-log = structlog.get_logger("kev.consumers.publisher")  # the publisher's lines, whichever of its modules writes them
+log = structlog.get_logger("kev.consumers.publish.publisher")  # the publisher's lines, whichever of its modules writes them
 
 ACK_WAIT_S = 1.0  # on revocation, how long the acks in flight are waited for (the rebalance waits too)
 # The publish loop waits this long at most for a reply topic's metadata on a record's first send; the
@@ -172,7 +172,7 @@ class Sender:
     @staticmethod
     async def _affine(producer: AIOKafkaProducer, record: Record, home: int | None) -> int | None:
         """The record's questions partition mod its topic's partitions: one transactional writer per
-        partition (consumers/transactions.py says why)."""
+        partition (consumers/publish/transactions.py says why)."""
         source = record.settles[0].partition if record.settles else home
         if source is None:
             return None

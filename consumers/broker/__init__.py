@@ -1,0 +1,1 @@
+"""The embedded broker (Tansu as a child process) and the local object store its durable mode keeps data in."""
