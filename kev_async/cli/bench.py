@@ -6,7 +6,8 @@ subparsers) and sets `func=`. Enable a new one by adding "<name>" to BENCHES; th
 order of `kev bench --help`. `kev --help` imports what defines `register`, so torch and the engine are
 imported only when a benchmark runs: inside a module's functions, or by a package's run modules, which
 its command.py imports when it runs. These are the benchmarks a user of the service runs; the research
-comparisons (engine, scaling, lora, precision, step, routing) are `python -m benchmarks.<name>` in a clone.
+comparisons (engine, scaling, lora, precision, step, routing, row_linear, answer_surface) are
+`python -m benchmarks.<name>` in a clone.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks that print side-by-side ratios",
                                   description="Benchmarks. Each runs its contenders in one process, on the "
                                               "same inputs, and prints tokens/s and ratios.",
-                                  epilog="The research comparisons (engine, scaling, lora, precision, step, "
-                                         "routing) run from a clone: python -m benchmarks.<name> --help")
+                                  epilog="The research comparisons (engine, scaling, lora, precision, step, routing, "
+                                         "row_linear, answer_surface) run from a clone: "
+                                         "python -m benchmarks.<name> --help")
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for name in BENCHES:
         import_module(f"kev_async.bench.{name}").register(kinds)
