@@ -381,3 +381,44 @@ async def test_an_answer_finished_during_a_rebalance_does_not_hold_up_the_publis
     assert sorted(r.key for r in after) == [b"bad", b"kept"]  # answers land on several partitions: no order
     assert publisher.counts["abandoned"] == 1
     assert sorted(settled) == [Position(topic, 1, 0), Position(topic, 1, 1)]  # never "moved"'s
+
+
+async def test_the_shared_topic_keeps_its_leader_in_the_producers_view_after_a_reply_topic_joins(kafka_broker):
+    # A producer's first view of the cluster is Tansu's answer to "no topics": every topic, none of them
+    # tracked. The first send to a reply topic makes aiokafka refresh its view for the tracked topics only:
+    # had the answers topic not been tracked, its leader would be gone from the view, and an answer queued
+    # for it at that moment (in a transaction: while its partition joins) waited request_timeout_ms (40 s)
+    # and failed with NotLeaderForPartition, then OutOfOrderSequenceNumber; the worker ended.
+    from aiokafka import AIOKafkaProducer, TopicPartition
+
+    from consumers.intake.committer import Committer, RevocationListener
+    from consumers.intake.ledger import QuestionLedger
+    from consumers.intake.offsets import OffsetTracker
+    from consumers.publish.publisher import Publisher
+    from kafka_fixtures import answer_for
+    from schemas import QuestionEvent
+
+    cfg = kafka_config(kafka_broker, partitions=1)
+    bootstrap, topic = kafka_broker.bootstrap_servers, cfg.questions_topic
+    reply = f"kev.replies.{cfg.group_id}"
+    await produce(bootstrap, cfg.answers_topic, [b"made before the producer starts"])
+    listener = RevocationListener(Committer(None, OffsetTracker(), interval_s=1.0, every=1))
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=False)
+    await producer.start()
+    shared = TopicPartition(cfg.answers_topic, 0)
+    assert producer.client.cluster.leader_for_partition(shared) is not None  # known, yet untracked
+    try:
+        with anyio.fail_after(30):
+            async with Publisher(producer, cfg, QuestionLedger(), lambda _: None, ownership=listener) as publisher:
+                await listener.on_partitions_assigned([TopicPartition(topic, 0)])
+                public = Inbound(QuestionEvent(question_id="public", prompt="hi"), topic, 0, 0, 0.0)
+                private = Inbound(QuestionEvent(question_id="private", prompt="hi", reply_topic=reply), topic, 0, 1, 0.0)
+                await publisher.publish(Outbound(answer_for(public), public))
+                await read_topic(bootstrap, cfg.answers_topic, 2, linger=0)
+                await publisher.publish(Outbound(answer_for(private), private))
+                await read_topic(bootstrap, reply, 1, linger=0)
+                await producer.client.force_metadata_update()  # what the reply topic's first send set off
+                leader = producer.client.cluster.leader_for_partition(shared)
+    finally:
+        await producer.stop()
+    assert leader is not None

@@ -89,6 +89,18 @@ async def open_admin(cfg: KafkaConfig, **options: Any) -> AsyncIterator[AIOKafka
             await quietly(admin.close(), "admin")
 
 
+async def tracked(producer: AIOKafkaProducer, topic: str) -> None:
+    """Make `topic` one the producer's metadata refreshes ask for; call before sending to it.
+
+    aiokafka answers a send's metadata wait from whatever its cluster view holds, and its first view is
+    the answer to a request for no topics, which Tansu answers with every topic. A topic known that way
+    is not tracked: the next refresh (for a topic the producer adds later, a reply topic) asks for the
+    tracked topics only and the view loses the first one's leader. A record queued for it meanwhile
+    (in a transaction: held while its partition joins) then waits request_timeout_ms and fails with
+    NotLeaderForPartition, and the idempotent retry with OutOfOrderSequenceNumber."""
+    await producer.client.add_topic(topic)  # already tracked: a future that is already done
+
+
 async def fetch(consumer: AIOKafkaConsumer, *partitions: TopicPartition, timeout_ms: int,
                 max_records: int | None = None) -> dict:
     """`consumer.getmany` (of `partitions`, else of every assigned one), where a record too large to fetch

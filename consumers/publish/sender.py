@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from anyio.abc import TaskGroup
 
+from consumers.kafka_client.clients import tracked
 from consumers.publish.delivery import PublishFailed, Retries
 from consumers.publish.failed_records import after_failure, fail_fast
 from consumers.intake.ledger import QuestionLedger
@@ -155,6 +156,7 @@ class Sender:
         producer = self.producer if txn is None else txn.producer
         try:
             with anyio.fail_after(within_s):
+                await tracked(producer, record.topic)
                 partition = record.partition
                 if partition is None and self.transactions is not None:
                     partition = await self._affine(producer, record, home)
