@@ -83,6 +83,8 @@ class KafkaStatistics:
     pauses: int  # every partition paused: the engine's inbox was full
     resumes: int
     read_ahead_held: int = 0  # records fetched past their partition's window, held until it had room
+    polls: int = 0  # fetch rounds: a paused worker goes on polling (its partitions give nothing)
+    samples_gathering: int = 0  # answers of questions with params.n > 1 held until their last sample
     abandoned: int = 0  # answers left to the partition's new owner after a rebalance (not published)
     clock_skew_ms: float = 0.0  # the latest apparent skew of a producer's clock at a partition's head (publish_clock.py)
     untrusted_timestamps: int = 0  # fresh questions whose stamp was older than their timeout: timed from arrival
@@ -241,6 +243,7 @@ class KafkaWorker:
             assigned=_partitions(consumer.assignment() if consumer else ()),
             paused=_partitions(consumer.paused() if consumer else ()),
             in_flight=self.tracker.in_flight(), commits=committer.commits if committer else 0,
+            samples_gathering=self._publisher.samples_gathering if self._publisher else 0,
             clock_skew_ms=self.clock.skew_ms, untrusted_timestamps=self.clock.untrusted, delivery=self.delivery,
             **intake, **published, **transactions,
         )

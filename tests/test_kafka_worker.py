@@ -158,7 +158,8 @@ async def test_a_full_inbox_pauses_the_partitions_and_a_drained_one_resumes_them
     async with running_worker(cfg, engine, buffer=2) as worker:
         await produce(bootstrap, cfg.questions_topic, [question(f"bp{i}") for i in range(40)])
         await eventually(lambda: worker.statistics().paused == worker.statistics().assigned)
-        await anyio.sleep(0.5)
+        polls = worker.statistics().polls
+        await eventually(lambda: worker.statistics().polls >= polls + 3)  # fetched, paused, three times over
         stats = worker.statistics()
         assert stats.pauses >= 1 and len(stats.paused) == 2
         assert stats.questions <= 2  # fetched no further than the inbox has room for

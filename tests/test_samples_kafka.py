@@ -17,6 +17,7 @@ from kafka_fixtures import (  # noqa: E402
     running_worker,
     wait_committed,
 )
+from polling import eventually  # noqa: E402
 from schemas import AnswerEvent, decode_answer  # noqa: E402
 from test_exactly_once import committed_answers  # noqa: E402
 
@@ -55,11 +56,12 @@ async def test_the_samples_go_out_together_and_settle_the_question_at_the_last(k
     cfg = kafka_config(kafka_broker, partitions=1, delivery=delivery, transaction_ms=50)
     engine = SamplingEngine()
     asked = question("q", params={"n": SAMPLES, "temperature": 0.8})
-    async with running_worker(cfg, engine):
+    async with running_worker(cfg, engine) as worker:
         await produce(cfg.bootstrap_servers, cfg.questions_topic, [asked])
         with anyio.fail_after(20):
             await engine.sent_before_last.wait()
-        await anyio.sleep(0.5)  # five commit intervals: three samples are answered, the question is not
+        # The publisher holds the samples so far: nothing of the question is out or committed until the last.
+        await eventually(lambda: worker.statistics().samples_gathering == SAMPLES - 1)
         assert await committed(cfg.bootstrap_servers, cfg.group_id, cfg.questions_topic, 1) == {0: None}
         assert await read_topic(cfg.bootstrap_servers, cfg.answers_topic, 0, timeout=0.1, linger=0.2) == []
         engine.last.set()

@@ -64,7 +64,7 @@ from schemas.signing import QUESTION, Verification
 
 log = structlog.get_logger("kev.consumers.intake.loop")
 
-COUNTS = ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_held")  # Intake.counts
+COUNTS = ("records", "questions", "duplicates", "pauses", "resumes", "read_ahead_held", "polls")  # Intake.counts
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class Intake:
         room = max(1, min(self.max_records, self.watermarks.high - used))
         batch = await self._fetch(room)
         self.last_poll = time.monotonic()  # the worker's /health: the loop is consuming
+        self.counts["polls"] += 1
         fetched_at = time.time()  # the stamp `kev bench kafka --profile` ends the fetch stage at
         epoch = self.listener.epoch
         for partition, records in batch.items():

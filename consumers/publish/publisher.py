@@ -104,6 +104,10 @@ class Publisher:
             async for outbound in answers_in:
                 await self.publish(outbound)
 
+    @property
+    def samples_gathering(self) -> int:
+        return self._samples.gathering
+
     async def publish(self, outbound: Outbound) -> None:
         source = outbound.source
         match outbound.event:

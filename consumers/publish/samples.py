@@ -30,6 +30,11 @@ class Samples:
         del self._gathering[source.attempt]
         return sorted(got, key=lambda a: a.index)
 
+    @property
+    def gathering(self) -> int:
+        """Samples held for questions whose other samples have not come yet."""
+        return sum(len(got) for got in self._gathering.values())
+
     def settling(self, position: Position, records: int) -> None:
         if records > 1:
             self._left[position] = records
