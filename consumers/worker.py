@@ -59,11 +59,10 @@ if sys.version_info < (3, 11):
 log = structlog.get_logger("kev.consumers.worker")
 
 
-# A rebalance that a member leaves while another joins can stall on the embedded Tansu broker until the
-# coordinator's rebalance timeout, which aiokafka sets to max_poll_interval_ms (5 minutes): no member of
-# the group gets an assignment meanwhile (seen in the fault drill; reproduced with plain aiokafka
-# consumers). With these the group recovered in 19-29 s in every try. A worker's heartbeats come from
-# aiokafka's own task and its event loop never runs the model, so 6 s without one means it is gone.
+# A rebalance that a member leaves while another joins can stall on the embedded Tansu broker until the coordinator's
+# rebalance timeout, which aiokafka sets to max_poll_interval_ms (5 minutes): no member gets an assignment meanwhile
+# (seen in the fault drill; reproduced with plain aiokafka consumers). With these the group recovered in 19-29 s in
+# every try. Heartbeats come from aiokafka's own task, never blocked by the model: 6 s without one means it is gone.
 GROUP_TIMEOUTS = {"rebalance_timeout_ms": 5_000, "session_timeout_ms": 6_000, "heartbeat_interval_ms": 1_000}
 
 
@@ -235,10 +234,9 @@ class KafkaWorker:
         published = self._publisher.counts if self._publisher else dict.fromkeys(
             ("answers", "error_answers", "deltas", "dead_letters", "abandoned"), 0)
         consumer, committer = self.consumer, self.committer
-        transactions = {}
-        if isinstance(committer, Transactions):
-            transactions = {"transactions": committer.committed, "transactions_aborted": committer.aborted,
-                            "transaction_seconds": committer.seconds, "transaction_answers": committer.answers}
+        transactions = {} if not isinstance(committer, Transactions) else {
+            "transactions": committer.committed, "transactions_aborted": committer.aborted,
+            "transaction_seconds": committer.seconds, "transaction_answers": committer.answers}
         return KafkaStatistics(
             assigned=_partitions(consumer.assignment() if consumer else ()),
             paused=_partitions(consumer.paused() if consumer else ()),
