@@ -225,8 +225,9 @@ inline __m256i sum_each(const __m256i* p) {
 
 // Group decoding with AVX2: the same codes decode_plain writes.
 inline __m256i nibbles16(const uint8_t* p) {  // 16 bytes -> their low nibbles, then their high nibbles
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), mask), _mm_and_si128(x, mask));
+  // Both halves hold the 16 bytes; the upper one shifted right by 4: three instructions, no lane insert.
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0xF));
 }
 
 inline __m256i bits_to_bytes(const uint8_t* p) {  // bit i of 32 -> byte i: 0xFF where set
@@ -236,6 +237,19 @@ inline __m256i bits_to_bytes(const uint8_t* p) {  // bit i of 32 -> byte i: 0xFF
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
   const __m256i marked = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
   return _mm256_cmpeq_epi8(marked, _mm256_set1_epi64x(-1));
+}
+
+// Q5_0: a block's 32 five-bit codes, the nibbles at b + 6 and the fifth bits at b + 2. With AVX-512BW the
+// bits are a mask register under which one instruction adds 0x10 to the nibbles (the same bytes).
+inline __m256i q5_codes(const uint8_t* b) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  uint32_t bits;
+  std::memcpy(&bits, b + 2, 4);
+  const __m256i nib = nibbles16(b + 6);
+  return _mm256_mask_add_epi8(nib, static_cast<__mmask32>(bits), nib, _mm256_set1_epi8(0x10));  // nib < 16: + is |
+#else
+  return _mm256_or_si256(nibbles16(b + 6), _mm256_and_si256(bits_to_bytes(b + 2), _mm256_set1_epi8(0x10)));
+#endif
 }
 
 inline void put(void* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -273,7 +287,7 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
       } else if constexpr (F == Q4_0) {
         put(out.u[j], nibbles16(b + 2));
       } else {
-        put(out.u[j], _mm256_or_si256(nibbles16(b + 6), _mm256_and_si256(bits_to_bytes(b + 2), _mm256_set1_epi8(0x10))));
+        put(out.u[j], q5_codes(b));
       }
     }
   } else if constexpr (F == Q6_K) {
@@ -403,8 +417,7 @@ inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const 
         } else if constexpr (F == Q4_0) {
           p[j] = unsigned_dot(nibbles16(b + 2), q + j * QB);
         } else {
-          const __m256i u = _mm256_or_si256(nibbles16(b + 6), _mm256_and_si256(bits_to_bytes(b + 2), _mm256_set1_epi8(0x10)));
-          p[j] = unsigned_dot(u, q + j * QB);
+          p[j] = unsigned_dot(q5_codes(b), q + j * QB);
         }
       }
       scale = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(halves)));
