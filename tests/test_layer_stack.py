@@ -59,6 +59,26 @@ def test_the_stack_gives_every_row_the_python_forwards_bits(tiny_models, harness
                 assert torch.equal(a, b), (kind, q.qid, (a - b).abs().max().item())
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(14, 2, 64), (12, 2, 128)], ids=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+def test_qwen_s_head_groups_take_the_stack_with_the_python_forwards_bits(harness, smollm2_tokenizer, heads,
+                                                                         kv_heads, head_dim):
+    """7 and 6 query heads per KV head (Qwen2.5 0.5B and 1.5B, 7B: 7): the paged kernel is built for them,
+    so such a model's steps run in the stack rather than in Python, and give the same bits."""
+    from conftest import build_hf_tiny
+
+    hf = build_hf_tiny("qwen2", seed=7, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       hidden_size=64)
+    model = harness.kev_model_from_hf(hf, smollm2_tokenizer, dtype=torch.float32)
+    questions = _questions(harness, seed=3)
+    fused, calls = _run(harness, model, questions, stack=True, max_tokens_per_step=48)
+    python, _ = _run(harness, model, questions, stack=False, max_tokens_per_step=48)
+    assert calls, "the stack never ran"
+    for q in questions:
+        assert fused.tokens(q.qid) == python.tokens(q.qid), q.qid
+        for a, b in zip(fused.logits[q.qid], python.logits[q.qid]):
+            assert torch.equal(a, b), (q.qid, (a - b).abs().max().item())
+
+
 def test_the_stack_answers_as_transformers_does(tiny_models, harness):
     """fp32 greedy through the stack: transformers' tokens and logits within rounding."""
     tiny = tiny_models["qwen3-tied"]

@@ -66,7 +66,7 @@ def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(cache, many):
     torch.testing.assert_close(paged.float(), sdpa.float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (128, 4), (128, 8)])
+@pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (128, 4), (128, 8), (64, 7), (128, 5), (128, 6)])
 @pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
 def test_other_head_sizes_and_groups_give_sdpa_s_answer(cache, head_dim, group):
     """Every head size and query heads per KV head the kernel takes (the tests above: 64 and 3)."""

@@ -452,6 +452,8 @@ static bool dispatch(const T* q, const C* k, const C* v, const at::Half* k_scale
   }
 #define KEV_DIM(DIM) KEV_CASE(DIM, 1) KEV_CASE(DIM, 2) KEV_CASE(DIM, 3) KEV_CASE(DIM, 4) KEV_CASE(DIM, 8)
   KEV_DIM(16) KEV_DIM(32) KEV_DIM(64) KEV_DIM(128) KEV_DIM(256)
+  // The Qwen2.5 family's groups (0.5B: 14 heads over 2, 7B: 28 over 4; 1.5B: 6; 14B and 32B: 5), at its head sizes.
+  KEV_CASE(64, 5) KEV_CASE(64, 6) KEV_CASE(64, 7) KEV_CASE(128, 5) KEV_CASE(128, 6) KEV_CASE(128, 7)
 #undef KEV_DIM
 #undef KEV_CASE
   return false;

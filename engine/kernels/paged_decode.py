@@ -48,9 +48,15 @@ def compiled(cflags: tuple[str, ...]):
     return module.paged_decode if module is not None else None
 
 
-# The kernels compiled: head sizes and query heads per KV head (others take the SDPA path).
+# The kernels compiled: head sizes and query heads per KV head (others take the SDPA path); groups 5-7 at
+# head sizes 64 and 128 only (the Qwen2.5 family's shapes).
 HEAD_SIZES = (16, 32, 64, 128, 256)
 GROUPS = (1, 2, 3, 4, 8)
+WIDE_GROUPS = {64: (5, 6, 7), 128: (5, 6, 7)}
+
+
+def compiled_shape(head_dim: int, group: int) -> bool:
+    return head_dim in HEAD_SIZES and (group in GROUPS or group in WIDE_GROUPS.get(head_dim, ()))
 
 
 def usable(kv) -> bool:
@@ -58,7 +64,7 @@ def usable(kv) -> bool:
     their dtype or int8, a compiled head shape."""
     return (kv.k.device.type == "cpu" and kv.compute_dtype in (torch.float32, torch.bfloat16)
             and (kv.quantized or kv.k.dtype == kv.compute_dtype)
-            and kv.k.shape[-1] in HEAD_SIZES and kv.group in GROUPS and kernel() is not None)
+            and compiled_shape(kv.k.shape[-1], kv.group) and kernel() is not None)
 
 
 class PagedDecodes:
