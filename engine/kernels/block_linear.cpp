@@ -70,7 +70,18 @@ struct Codes {
   int32_t* sum;
   float* scaled_sum;
   int64_t stride, blocks;  // q's row stride; blocks per row, padded to whole groups
+  int8_t* qi = nullptr;      // many rows, VNNI: each group's codes interleaved (see interleave_codes)
+  int32_t* halves = nullptr;  // many rows, VNNI: per block, the sums of its two 16-code halves (Q6_K)
 };
+
+// A group of eight 32-byte blocks as eight registers of 4-byte pieces: register c holds bytes 4c..4c+3 of
+// block j in lane j, so one vpdpbusd per register adds a piece of every block into that block's own lane,
+// and a group's eight block dots come out lane by lane without a horizontal sum. Only where the bytes go
+// changes: every block dot is the same integer.
+inline void interleave(const uint8_t* blocks, uint8_t* out) {
+  for (int c = 0; c < 8; ++c)
+    for (int j = 0; j < 8; ++j) std::memcpy(out + c * 32 + j * 4, blocks + j * QB + c * 4, 4);
+}
 
 template <typename X>
 void quantize_row(const X* x, int64_t k, int8_t* q, float* scale, int32_t* sum, float* scaled_sum, int64_t blocks) {
@@ -464,6 +475,78 @@ inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const 
   return lanes_sum(lanes);
 }
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+// Many rows on a CPU with VNNI: the weight group decoded once per chunk of rows and woven (see interleave),
+// then per row eight vpdpbusd into one register whose lane j is block j's dot: the integers row_dot and
+// accumulate make, settled by the same float steps, so a row's bits are those of the one-row path. Signed
+// codes go in as unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums;
+// vpdpbusd adds u8 x s8 products in int32, so nothing saturates (AVX2's vpmaddubsw would: its path stays).
+#define KEV_WOVEN 1
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+struct Woven {
+  alignas(32) uint8_t u[8 * QB];
+  alignas(32) int32_t lo[8], hi[8];  // Q6_K: lane j's integer scale for block j's first and second 16 codes
+};
+
+template <int64_t F>
+inline void weave(const Group& g, Woven& out) {
+  alignas(32) uint8_t plain[8][QB];
+  for (int j = 0; j < 8; ++j) {
+    __m256i u = _mm256_setzero_si256();  // blocks past the row's end: zero codes, so a zero dot
+    if (j < g.count) {
+      if constexpr (F == Q8_0)
+        u = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(-128));
+      else if constexpr (F == Q6_K)
+        u = _mm256_add_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(32));
+      else
+        u = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.u[j]));
+    }
+    put(plain[j], u);
+  }
+  interleave(&plain[0][0], out.u);
+  if constexpr (F == Q6_K)
+    for (int j = 0; j < 8; ++j) out.lo[j] = g.lane_scale[j][0], out.hi[j] = g.lane_scale[j][4];
+}
+
+// The chunk's rows against one woven group: its eight pieces stay in registers across the rows.
+template <int64_t F>
+inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r0, int64_t count, int64_t gi,
+                       float* acc) {
+  __m256i u[8];
+  for (int piece = 0; piece < 8; ++piece) u[piece] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + piece * 32));
+  const __m256 scale = _mm256_load_ps(g.scale), min = _mm256_load_ps(g.min);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
+    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
+    __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+    for (int piece = 0; piece < 8; ++piece) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
+      if (F == Q6_K && piece >= 4) second = dot_acc(second, u[piece], x);
+      else first = dot_acc(first, u[piece], x);
+    }
+    if constexpr (F == Q8_0)
+      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sum + at)), 7));
+    if constexpr (F == Q6_K) {
+      const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c.blocks));
+      first = _mm256_add_epi32(
+          _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
+          _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
+    }
+    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, c.scale + at, c.sum + at, c.scaled_sum + at,
+                                            _mm256_loadu_ps(acc + r * 8)));
+  }
+}
+#endif
+
 inline const char* isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni";
@@ -541,6 +624,25 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
     return;
   }
 #endif
+#if defined(KEV_WOVEN)
+  if (c.qi != nullptr) {
+    Woven woven;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+      const int64_t count = std::min(ROW_CHUNK, rows - r0);
+      for (int64_t o = begin; o < end; ++o) {
+        const uint8_t* wrow = base + part.offset + o * row_bytes;
+        std::fill(acc, acc + count * 8, 0.f);
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          decode<F>(wrow, gi, nblocks, g);
+          weave<F>(g, woven);
+          woven_rows<F>(woven, g, c, r0, count, gi, acc);
+        }
+        for (int64_t r = 0; r < count; ++r) y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(acc + r * 8));
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t count = std::min(ROW_CHUNK, rows - r0);
     for (int64_t o = begin; o < end; ++o) {
@@ -610,7 +712,29 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
         quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, codes, s, total, ss, blocks);
     }
   });
-  const Codes c{q.data(), scale.data(), sum.data(), scaled.data(), blocks * QB, blocks};
+  Codes c{q.data(), scale.data(), sum.data(), scaled.data(), blocks * QB, blocks};
+#if defined(KEV_WOVEN)
+  std::vector<int8_t> woven_codes;
+  std::vector<int32_t> halves;
+  if (rows > 1) {  // one row takes row_dot, which reads the codes as they are
+    woven_codes.resize(q.size());
+    halves.resize(rows * 2 * blocks);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int8_t* codes = q.data() + r * blocks * QB;
+        for (int64_t gi = 0; gi < blocks / 8; ++gi)
+          interleave(reinterpret_cast<const uint8_t*>(codes + gi * GROUP),
+                     reinterpret_cast<uint8_t*>(woven_codes.data() + r * blocks * QB + gi * GROUP));
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t first = 0, second = 0;
+          for (int i = 0; i < QB / 2; ++i) first += codes[b * QB + i], second += codes[b * QB + QB / 2 + i];
+          halves[r * 2 * blocks + b] = first, halves[r * 2 * blocks + blocks + b] = second;
+        }
+      }
+    });
+    c.qi = woven_codes.data(), c.halves = halves.data();
+  }
+#endif
   const auto* base = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::ScalarType::Float)
     multiply_rows(c, rows, base, layout, y.data_ptr<float>(), n);
