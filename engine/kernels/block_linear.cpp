@@ -625,23 +625,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
   }
 #endif
 #if defined(KEV_WOVEN)
-  if (c.qi != nullptr) {
-    Woven woven;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
-      const int64_t count = std::min(ROW_CHUNK, rows - r0);
-      for (int64_t o = begin; o < end; ++o) {
-        const uint8_t* wrow = base + part.offset + o * row_bytes;
-        std::fill(acc, acc + count * 8, 0.f);
-        for (int64_t gi = 0; gi < groups; ++gi) {
-          decode<F>(wrow, gi, nblocks, g);
-          weave<F>(g, woven);
-          woven_rows<F>(woven, g, c, r0, count, gi, acc);
-        }
-        for (int64_t r = 0; r < count; ++r) y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(acc + r * 8));
-      }
-    }
-    return;
-  }
+  Woven woven;
 #endif
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t count = std::min(ROW_CHUNK, rows - r0);
@@ -650,6 +634,13 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
       std::fill(acc, acc + count * 8, 0.f);
       for (int64_t gi = 0; gi < groups; ++gi) {
         decode<F>(wrow, gi, nblocks, g);
+#if defined(KEV_WOVEN)
+        if (c.qi != nullptr) {
+          weave<F>(g, woven);
+          woven_rows<F>(woven, g, c, r0, count, gi, acc);
+          continue;
+        }
+#endif
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = r0 + r, b = row * c.blocks + gi * 8;
           accumulate<F>(g, c.q + row * c.stride + gi * GROUP, c.scale + b, c.sum + b, c.scaled_sum + b, acc + r * 8);
