@@ -34,7 +34,8 @@ constexpr int64_t HEADER_BYTES = 256, MAX_PARTS = 9;
 constexpr int QB = 32;            // a block of the row's codes
 constexpr int GROUP = 8 * QB;     // eight blocks: one lane each
 constexpr int64_t TILE = 16;      // outputs per task
-constexpr int64_t ROW_CHUNK = 64; // rows whose accumulators live together while a weight group is decoded
+constexpr int64_t ROW_CHUNK = 128;  // rows whose accumulators live together while a weight group is decoded
+constexpr int64_t PAIR_MIN_ROWS = 12;  // fewer rows than this: decoding four outputs' groups costs more than pairs save
 
 // ggml's type ids.
 enum Format : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -545,6 +546,66 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
                                             _mm256_loadu_ps(acc + r * 8)));
   }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// Two outputs side by side in one 512-bit register (lanes 0-7 the first's blocks, 8-15 the second's),
+// P such pairs at a time: each row's codes are loaded once (broadcast to both halves) for 2P outputs.
+// Every lane runs the 256-bit path's integer and float steps on the same values: the same bits.
+#define KEV_PAIRS 1
+inline __m512i both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 both_ps(const float* p) { return _mm512_castsi512_ps(both(p)); }
+inline __m512i halves_of(const void* a, const void* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_load_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+struct Pair {
+  __m512i u[8];
+  __m512i lo, hi;
+  __m512 scale, min;
+};
+
+template <int64_t F>
+inline void make_pair(const Woven& a, const Group& ga, const Woven& b, const Group& gb, Pair& p) {
+  for (int piece = 0; piece < 8; ++piece) p.u[piece] = halves_of(a.u + piece * 32, b.u + piece * 32);
+  p.scale = _mm512_castsi512_ps(halves_of(ga.scale, gb.scale));
+  p.min = _mm512_castsi512_ps(halves_of(ga.min, gb.min));
+  if constexpr (F == Q6_K) p.lo = halves_of(a.lo, b.lo), p.hi = halves_of(a.hi, b.hi);
+}
+
+template <int64_t F, int P>
+inline void woven_pairs(const Pair* pairs, const Codes& c, int64_t r0, int64_t count, int64_t gi, float* const* acc) {
+  constexpr Traits t = traits(F);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
+    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
+    __m512i first[P], second[P];
+    for (int k = 0; k < P; ++k) first[k] = _mm512_setzero_si512(), second[k] = _mm512_setzero_si512();
+    for (int piece = 0; piece < 8; ++piece) {
+      const __m512i x = both(xi + piece * 32);
+      for (int k = 0; k < P; ++k) {
+        if (F == Q6_K && piece >= 4) second[k] = _mm512_dpbusd_epi32(second[k], pairs[k].u[piece], x);
+        else first[k] = _mm512_dpbusd_epi32(first[k], pairs[k].u[piece], x);
+      }
+    }
+    const __m512 xs = both_ps(c.scale + at);
+    for (int k = 0; k < P; ++k) {
+      __m512i dots = first[k];
+      if constexpr (F == Q8_0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), 7));
+      if constexpr (F == Q6_K) {
+        const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
+        dots = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dots, _mm512_slli_epi32(both(h), 5)), pairs[k].lo),
+                                _mm512_mullo_epi32(_mm512_sub_epi32(second[k], _mm512_slli_epi32(both(h + c.blocks), 5)), pairs[k].hi));
+      }
+      if constexpr (t.offset != 0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), t.offset == 8 ? 3 : 4));
+      float* a = acc[k] + r * 16;
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(pairs[k].scale, xs), _mm512_loadu_ps(a));
+      if constexpr (t.has_min) v = _mm512_fnmadd_ps(pairs[k].min, both_ps(c.scaled_sum + at), v);
+      _mm512_storeu_ps(a, v);
+    }
+  }
+}
+#endif
 #endif
 
 inline const char* isa() {
@@ -611,16 +672,41 @@ inline Layout read_header(const torch::Tensor& packed) {
   return layout;
 }
 
-// Outputs [begin, end) of one part against every row, a chunk of rows at a time: each weight group is
-// decoded once per chunk and used by the chunk's rows, each row's eight lanes its own chain.
+#if defined(KEV_PAIRS)
+// Outputs o .. o+3 of one group against the chunk's rows, as two pairs (see woven_pairs); each pair's
+// accumulators, [row][16], take its two outputs' space in acc.
+template <int64_t F>
+inline void four_outputs(const Codes& c, const uint8_t* first_row, int64_t row_bytes, int64_t gi, int64_t nblocks,
+                         int64_t r0, int64_t count, float* acc) {
+  Pair pairs[2];
+  Group g[2];
+  Woven woven[2];
+  float* acc_of[2];
+  for (int k = 0; k < 2; ++k) {
+    for (int j = 0; j < 2; ++j) {
+      decode<F>(first_row + (2 * k + j) * row_bytes, gi, nblocks, g[j]);
+      weave<F>(g[j], woven[j]);
+    }
+    make_pair<F>(woven[0], g[0], woven[1], g[1], pairs[k]);
+    acc_of[k] = acc + 2 * k * count * 8;
+  }
+  woven_pairs<F, 2>(pairs, c, r0, count, gi, acc_of);
+}
+#endif
+
+// Outputs [begin, end) of one part against every row, a chunk of rows at a time, group by group: each
+// weight group is decoded once per chunk, and the chunk's codes for that group (count x 256 bytes) stay
+// in L1 while the task's outputs use them. Every output keeps its own chains in acc: the order of a
+// row's sums is fixed by K alone, whichever path (pairs, woven, accumulate) a chunk takes.
 template <int64_t F, typename Y>
 void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part& part, int64_t k, Y* y, int64_t n,
                   int64_t begin, int64_t end, Group& g, float* acc) {
   const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
+  const uint8_t* rows_of_part = base + part.offset;
 #if defined(__AVX2__) && defined(__FMA__)
   if (rows == 1) {
     for (int64_t o = begin; o < end; ++o)
-      y[part.first_output + o] = static_cast<Y>(row_dot<F>(base + part.offset + o * row_bytes, groups, nblocks, c, 0));
+      y[part.first_output + o] = static_cast<Y>(row_dot<F>(rows_of_part + o * row_bytes, groups, nblocks, c, 0));
     return;
   }
 #endif
@@ -629,24 +715,38 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
 #endif
   for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
     const int64_t count = std::min(ROW_CHUNK, rows - r0);
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* wrow = base + part.offset + o * row_bytes;
-      std::fill(acc, acc + count * 8, 0.f);
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        decode<F>(wrow, gi, nblocks, g);
+    int64_t paired = 0;  // outputs begin .. begin+paired-1 take four_outputs
+#if defined(KEV_PAIRS)
+    if (c.qi != nullptr && count >= PAIR_MIN_ROWS) paired = (end - begin) / 4 * 4;
+#endif
+    std::fill(acc, acc + (end - begin) * count * 8, 0.f);  // acc: [output][row][8], pairs [row][16]
+    for (int64_t gi = 0; gi < groups; ++gi) {
+#if defined(KEV_PAIRS)
+      for (int64_t o = begin; o < begin + paired; o += 4)
+        four_outputs<F>(c, rows_of_part + o * row_bytes, row_bytes, gi, nblocks, r0, count, acc + (o - begin) * count * 8);
+#endif
+      for (int64_t o = begin + paired; o < end; ++o) {
+        float* out = acc + (o - begin) * count * 8;
+        decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
 #if defined(KEV_WOVEN)
         if (c.qi != nullptr) {
           weave<F>(g, woven);
-          woven_rows<F>(woven, g, c, r0, count, gi, acc);
+          woven_rows<F>(woven, g, c, r0, count, gi, out);
           continue;
         }
 #endif
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = r0 + r, b = row * c.blocks + gi * 8;
-          accumulate<F>(g, c.q + row * c.stride + gi * GROUP, c.scale + b, c.sum + b, c.scaled_sum + b, acc + r * 8);
+          accumulate<F>(g, c.q + row * c.stride + gi * GROUP, c.scale + b, c.sum + b, c.scaled_sum + b, out + r * 8);
         }
       }
-      for (int64_t r = 0; r < count; ++r) y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(acc + r * 8));
+    }
+    for (int64_t o = begin; o < end; ++o) {
+      const int64_t i = o - begin;
+      for (int64_t r = 0; r < count; ++r) {
+        const float* a = i < paired ? acc + (i / 2 * 2 * count + r * 2 + i % 2) * 8 : acc + (i * count + r) * 8;
+        y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(a));
+      }
     }
   }
 }
@@ -662,7 +762,7 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
     for (int64_t r = 0; r < part.rows; r += TILE) tasks.push_back({&part, r, std::min(part.rows, r + TILE)});
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     Group g;
-    std::vector<float> acc(ROW_CHUNK * 8);
+    std::vector<float> acc(TILE * ROW_CHUNK * 8);
     for (int64_t t = t0; t < t1; ++t) {
       const Part& p = *tasks[t].part;
       auto run = [&](auto format) {
