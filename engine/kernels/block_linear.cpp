@@ -496,22 +496,34 @@ struct Woven {
   alignas(32) int32_t lo[8], hi[8];  // Q6_K: lane j's integer scale for block j's first and second 16 codes
 };
 
+// interleave's layout in registers: an 8x8 transpose of 4-byte pieces (block j's piece c to lane j of c).
+inline void transpose_pieces(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c)
+    r[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20), r[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+}
+
 template <int64_t F>
 inline void weave(const Group& g, Woven& out) {
-  alignas(32) uint8_t plain[8][QB];
+  __m256i u[8];
   for (int j = 0; j < 8; ++j) {
-    __m256i u = _mm256_setzero_si256();  // blocks past the row's end: zero codes, so a zero dot
+    u[j] = _mm256_setzero_si256();  // blocks past the row's end: zero codes, so a zero dot
     if (j < g.count) {
       if constexpr (F == Q8_0)
-        u = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(-128));
+        u[j] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(-128));
       else if constexpr (F == Q6_K)
-        u = _mm256_add_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(32));
+        u[j] = _mm256_add_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(32));
       else
-        u = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.u[j]));
+        u[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.u[j]));
     }
-    put(plain[j], u);
   }
-  interleave(&plain[0][0], out.u);
+  transpose_pieces(u);
+  for (int c = 0; c < 8; ++c) put(out.u + c * 32, u[c]);
   if constexpr (F == Q6_K)
     for (int j = 0; j < 8; ++j) out.lo[j] = g.lane_scale[j][0], out.hi[j] = g.lane_scale[j][4];
 }
