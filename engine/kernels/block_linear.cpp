@@ -704,6 +704,26 @@ inline void four_outputs(const Codes& c, const uint8_t* first_row, int64_t row_b
   }
   woven_pairs<F, 2>(pairs, c, r0, count, gi, acc_of);
 }
+
+// A pair's two lanes_sum at once, in lanes 0 and 8: the same additions in the same order, lane by lane.
+inline __m512 pair_sums(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // a0+a4 .. a3+a7
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));        // (a0+a4)+(a2+a6), (a1+a5)+(a3+a7)
+  return _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// The four outputs' values for the chunk's rows, from four_outputs' accumulators. Not inlined: inlined,
+// it changed part_outputs' register allocation and cost Q6_K's rows 4-8% at 12-24 rows.
+template <typename Y>
+__attribute__((noinline)) void store_four(const float* acc, int64_t count, Y* y, int64_t n) {
+  const __m512i pick = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t r = 0; r < count; ++r) {
+    const __m512 first = pair_sums(_mm512_loadu_ps(acc + r * 16)), second = pair_sums(_mm512_loadu_ps(acc + (count + r) * 16));
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm512_castps512_ps128(_mm512_permutex2var_ps(first, pick, second)));
+    for (int j = 0; j < 4; ++j) y[r * n + j] = static_cast<Y>(four[j]);
+  }
+}
 #endif
 
 // Outputs [begin, end) of one part against every row, a chunk of rows at a time, group by group: each
@@ -753,13 +773,13 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
         }
       }
     }
-    for (int64_t o = begin; o < end; ++o) {
-      const int64_t i = o - begin;
-      for (int64_t r = 0; r < count; ++r) {
-        const float* a = i < paired ? acc + (i / 2 * 2 * count + r * 2 + i % 2) * 8 : acc + (i * count + r) * 8;
-        y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(a));
-      }
-    }
+#if defined(KEV_PAIRS)
+    for (int64_t o = begin; o < begin + paired; o += 4)
+      store_four(acc + (o - begin) * count * 8, count, y + r0 * n + part.first_output + o, n);
+#endif
+    for (int64_t o = begin + paired; o < end; ++o)
+      for (int64_t r = 0; r < count; ++r)
+        y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(acc + ((o - begin) * count + r) * 8));
   }
 }
 
