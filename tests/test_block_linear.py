@@ -134,7 +134,7 @@ def test_other_builds_give_the_same_bits(flags):
         blocks = random_blocks(name, 26, 512, seed=i)
         mine = BlockWeight([blocks], torch.float32, kernel())
         theirs = BlockWeight([blocks], torch.float32, other)
-        for rows in (9, 40):  # below and above the rows where AVX-512 pairs four outputs
+        for rows in (5, 40):  # below and above the rows where AVX-512 pairs four outputs (6)
             assert torch.equal(mine.linear(x[:rows]), theirs.linear(x[:rows])), (name, theirs.isa, rows)
         assert torch.equal(mine.linear(x[:1]), theirs.linear(x[:1])), (name, theirs.isa)  # a lone row's own path
 

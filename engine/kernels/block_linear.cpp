@@ -35,7 +35,7 @@ constexpr int QB = 32;            // a block of the row's codes
 constexpr int GROUP = 8 * QB;     // eight blocks: one lane each
 constexpr int64_t TILE = 16;      // outputs per task
 constexpr int64_t ROW_CHUNK = 128;  // rows whose accumulators live together while a weight group is decoded
-constexpr int64_t PAIR_MIN_ROWS = 12;  // fewer rows than this: decoding four outputs' groups costs more than pairs save
+constexpr int64_t PAIR_MIN_ROWS = 6;  // fewer rows than this: decoding four outputs' groups costs more than pairs save
 
 // ggml's type ids.
 enum Format : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
