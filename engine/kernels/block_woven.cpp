@@ -1,0 +1,195 @@
+// block_linear.cpp's many-row paths on CPUs with VNNI: each weight group woven so one vpdpbusd adds into
+// eight blocks' lanes, and with AVX-512 four outputs at a time as two 512-bit pairs. Compiled after
+// block_formats.cpp, in one translation unit (native.py).
+
+namespace block_kernels {
+
+#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+// Many rows on a CPU with VNNI: the weight group decoded once per chunk of rows and woven (see interleave),
+// then per row eight vpdpbusd into one register whose lane j is block j's dot: the integers row_dot and
+// accumulate make, settled by the same float steps, so a row's bits are those of the one-row path. Signed
+// codes go in as unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums;
+// vpdpbusd adds u8 x s8 products in int32, so nothing saturates (AVX2's vpmaddubsw would: its path stays).
+#define KEV_WOVEN 1
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+struct Woven {
+  alignas(32) uint8_t u[8 * QB];
+  alignas(32) int32_t lo[8], hi[8];  // Q6_K: lane j's integer scale for block j's first and second 16 codes
+};
+
+// interleave's layout in registers: an 8x8 transpose of 4-byte pieces (block j's piece c to lane j of c).
+inline void transpose_pieces(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c)
+    r[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20), r[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+}
+
+template <int64_t F>
+inline void weave(const Group& g, Woven& out) {
+  __m256i u[8];
+  for (int j = 0; j < 8; ++j) {
+    u[j] = _mm256_setzero_si256();  // blocks past the row's end: zero codes, so a zero dot
+    if (j < g.count) {
+      if constexpr (F == Q8_0)
+        u[j] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(-128));
+      else if constexpr (F == Q6_K)
+        u[j] = _mm256_add_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(32));
+      else
+        u[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.u[j]));
+    }
+  }
+  transpose_pieces(u);
+  for (int c = 0; c < 8; ++c) put(out.u + c * 32, u[c]);
+  if constexpr (F == Q6_K)
+    for (int j = 0; j < 8; ++j) out.lo[j] = g.lane_scale[j][0], out.hi[j] = g.lane_scale[j][4];
+}
+
+// The chunk's rows against one woven group: its eight pieces stay in registers across the rows.
+template <int64_t F>
+inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r0, int64_t count, int64_t gi,
+                       float* acc) {
+  __m256i u[8];
+  for (int piece = 0; piece < 8; ++piece) u[piece] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + piece * 32));
+  const __m256 scale = _mm256_load_ps(g.scale), min = _mm256_load_ps(g.min);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
+    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
+    __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+    for (int piece = 0; piece < 8; ++piece) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
+      if (F == Q6_K && piece >= 4) second = dot_acc(second, u[piece], x);
+      else first = dot_acc(first, u[piece], x);
+    }
+    if constexpr (F == Q8_0)
+      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sum + at)), 7));
+    if constexpr (F == Q6_K) {
+      const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c.blocks));
+      first = _mm256_add_epi32(
+          _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
+          _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
+    }
+    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, c.scale + at, c.sum + at, c.scaled_sum + at,
+                                            _mm256_loadu_ps(acc + r * 8)));
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// Two outputs side by side in one 512-bit register (lanes 0-7 the first's blocks, 8-15 the second's),
+// P such pairs at a time: each row's codes are loaded once (broadcast to both halves) for 2P outputs.
+// Every lane runs the 256-bit path's integer and float steps on the same values: the same bits.
+#define KEV_PAIRS 1
+inline __m512i both(const void* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 both_ps(const float* p) { return _mm512_castsi512_ps(both(p)); }
+inline __m512i halves_of(const void* a, const void* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_load_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+struct Pair {
+  __m512i u[8];
+  __m512i lo, hi;
+  __m512 scale, min;
+};
+
+template <int64_t F>
+inline void make_pair(const Woven& a, const Group& ga, const Woven& b, const Group& gb, Pair& p) {
+  for (int piece = 0; piece < 8; ++piece) p.u[piece] = halves_of(a.u + piece * 32, b.u + piece * 32);
+  p.scale = _mm512_castsi512_ps(halves_of(ga.scale, gb.scale));
+  p.min = _mm512_castsi512_ps(halves_of(ga.min, gb.min));
+  if constexpr (F == Q6_K) p.lo = halves_of(a.lo, b.lo), p.hi = halves_of(a.hi, b.hi);
+}
+
+template <int64_t F, int P>
+inline void woven_pairs(const Pair* pairs, const Codes& c, int64_t r0, int64_t count, int64_t gi, float* const* acc) {
+  constexpr Traits t = traits(F);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
+    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
+    __m512i first[P], second[P];
+    for (int k = 0; k < P; ++k) first[k] = _mm512_setzero_si512(), second[k] = _mm512_setzero_si512();
+    for (int piece = 0; piece < 8; ++piece) {
+      const __m512i x = both(xi + piece * 32);
+      for (int k = 0; k < P; ++k) {
+        if (F == Q6_K && piece >= 4) second[k] = _mm512_dpbusd_epi32(second[k], pairs[k].u[piece], x);
+        else first[k] = _mm512_dpbusd_epi32(first[k], pairs[k].u[piece], x);
+      }
+    }
+    const __m512 xs = both_ps(c.scale + at);
+    for (int k = 0; k < P; ++k) {
+      __m512i dots = first[k];
+      if constexpr (F == Q8_0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), 7));
+      if constexpr (F == Q6_K) {
+        const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
+        dots = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dots, _mm512_slli_epi32(both(h), 5)), pairs[k].lo),
+                                _mm512_mullo_epi32(_mm512_sub_epi32(second[k], _mm512_slli_epi32(both(h + c.blocks), 5)), pairs[k].hi));
+      }
+      if constexpr (t.offset != 0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), t.offset == 8 ? 3 : 4));
+      float* a = acc[k] + r * 16;
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(pairs[k].scale, xs), _mm512_loadu_ps(a));
+      if constexpr (t.has_min) v = _mm512_fnmadd_ps(pairs[k].min, both_ps(c.scaled_sum + at), v);
+      _mm512_storeu_ps(a, v);
+    }
+  }
+}
+#endif
+#endif
+
+#if defined(KEV_PAIRS)
+// Outputs o .. o+3 of one group against the chunk's rows, as two pairs (see woven_pairs); each pair's
+// accumulators, [row][16], take its two outputs' space in acc.
+template <int64_t F>
+inline void four_outputs(const Codes& c, const uint8_t* first_row, int64_t row_bytes, int64_t gi, int64_t nblocks,
+                         int64_t r0, int64_t count, float* acc) {
+  Pair pairs[2];
+  Group g[2];
+  Woven woven[2];
+  float* acc_of[2];
+  for (int k = 0; k < 2; ++k) {
+    for (int j = 0; j < 2; ++j) {
+      decode<F>(first_row + (2 * k + j) * row_bytes, gi, nblocks, g[j]);
+      weave<F>(g[j], woven[j]);
+    }
+    make_pair<F>(woven[0], g[0], woven[1], g[1], pairs[k]);
+    acc_of[k] = acc + 2 * k * count * 8;
+  }
+  woven_pairs<F, 2>(pairs, c, r0, count, gi, acc_of);
+}
+
+// A pair's two lanes_sum at once, in lanes 0 and 8: the same additions in the same order, lane by lane.
+inline __m512 pair_sums(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // a0+a4 .. a3+a7
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));        // (a0+a4)+(a2+a6), (a1+a5)+(a3+a7)
+  return _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// The four outputs' values for the chunk's rows, from four_outputs' accumulators. Not inlined: inlined,
+// it changed part_outputs' register allocation and cost Q6_K's rows 4-8% at 12-24 rows.
+template <typename Y>
+__attribute__((noinline)) void store_four(const float* acc, int64_t count, Y* y, int64_t n) {
+  const __m512i pick = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t r = 0; r < count; ++r) {
+    const __m512 first = pair_sums(_mm512_loadu_ps(acc + r * 16)), second = pair_sums(_mm512_loadu_ps(acc + (count + r) * 16));
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm512_castps512_ps128(_mm512_permutex2var_ps(first, pick, second)));
+    for (int j = 0; j < 4; ++j) y[r * n + j] = static_cast<Y>(four[j]);
+  }
+}
+#endif
+#endif  // AVX2
+
+}  // namespace block_kernels
