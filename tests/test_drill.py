@@ -18,6 +18,8 @@ pytest_plugins = ["serve_fixtures"]
 # one after the other: run side by side on 2 cores under `make test`'s two workers, the exactly-once drill
 # once left its last question unanswered until the 600 s timeout.
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("drills")]
+# A drill takes 45-55 s here: a stall ends as DrillStalled naming its questions, well before pytest's 600 s.
+ANSWER_TIMEOUT_S = 300.0
 
 
 @pytest.fixture
@@ -30,7 +32,7 @@ async def test_fault_drill_loses_nothing(tiny_model_dir, tmp_path):
     from kev_async.drill.run import DrillOptions, run_drill
 
     options = DrillOptions(questions=60, workers=3, partitions=6, max_new_tokens=12, spread_s=25.0,
-                           model=str(tiny_model_dir), workdir=tmp_path / "drill")
+                           model=str(tiny_model_dir), workdir=tmp_path / "drill", answer_timeout_s=ANSWER_TIMEOUT_S)
     result = await run_drill(options, out=print)
     print(f"\ndrill: {result.answered}/{result.questions} answered, {result.duplicates} duplicates "
           f"(bound {result.duplicate_bound}: {result.duplicate_allowance}), "
@@ -55,7 +57,8 @@ async def test_exactly_once_drill_shows_every_question_once(tiny_model_dir, tmp_
     from kev_async.drill.run import DrillOptions, run_drill
 
     options = DrillOptions(questions=40, workers=3, partitions=6, max_new_tokens=12, spread_s=20.0,
-                           model=str(tiny_model_dir), workdir=tmp_path / "drill", exactly_once=True)
+                           model=str(tiny_model_dir), workdir=tmp_path / "drill", exactly_once=True,
+                           answer_timeout_s=ANSWER_TIMEOUT_S)
     result = await run_drill(options, out=print)
     print(f"\nexactly-once drill: {result.answered}/{result.questions} answered, {result.answer_records} records "
           f"read read_committed (at_least_once would allow {result.duplicate_bound}: {result.duplicate_allowance})")
@@ -219,3 +222,29 @@ def test_a_workers_assignment_is_read_from_its_log_through_pauses_and_rebalances
     assert assignment(log, "q") == set()  # mid-rebalance: holds nothing
     log += "\n" + _line("partitions_assigned", "04", partitions=["q:1"])
     assert assignment(log, "q") == {"q:1"}
+
+
+@pytest.mark.kafka
+async def test_a_stalled_drill_names_what_is_unanswered(tiny_model_dir, tmp_path):
+    from kev_async.drill.run import DrillOptions, DrillStalled, run_drill
+
+    options = DrillOptions(questions=4, workers=1, partitions=2, max_new_tokens=4, spread_s=0.2, faults=False,
+                           model=str(tiny_model_dir), workdir=tmp_path / "drill", answer_timeout_s=0.0)
+    with pytest.raises(DrillStalled) as stalled:
+        await run_drill(options, out=print)
+    message = str(stalled.value)  # the deadline came before the first question went out
+    assert message.startswith("after 0 s, 4 never published; workers: worker-0 running; their logs: "), message
+    assert message.endswith(str(tmp_path / "drill")), message
+
+
+def test_a_stall_lists_each_unanswered_question_where_it_sits(tmp_path):
+    from types import SimpleNamespace
+
+    from kev_async.drill.run import DrillOptions, _Run, _stalled
+    from schemas import KafkaConfig
+
+    run = _Run(KafkaConfig(), DrillOptions(questions=3, workdir=tmp_path, answer_timeout_s=300.0), broker=None)
+    run.sent = {"q-0": (0, 5), "q-1": (1, 7), "q-2": (0, 6)}
+    run.answers = [(SimpleNamespace(question_id="q-0"), None)]
+    assert str(_stalled(run)) == (f"after 300 s, 2 question(s) unanswered: q-1 (partition 1, offset 7), "
+                                  f"q-2 (partition 0, offset 6); workers: none started; their logs: {tmp_path}")

@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _drill(args: argparse.Namespace) -> int:
     # The drill (aiokafka, the broker) and structlog's set-up: loaded to run it, not for `kev --help`.
-    from kev_async.drill.run import DrillOptions, result_json, run_drill
+    from kev_async.drill.run import DrillOptions, DrillStalled, result_json, run_drill
     from kev_async.logs import configure_logging
 
     configure_logging("warning")
@@ -49,7 +49,11 @@ def _drill(args: argparse.Namespace) -> int:
                            max_new_tokens=args.max_new_tokens, spread_s=args.spread, model=args.model,
                            workdir=Path(args.workdir), faults=not args.no_faults, pin=args.pin,
                            exactly_once=args.exactly_once)
-    result = anyio.run(run_drill, options, backend="asyncio")
+    try:
+        result = anyio.run(run_drill, options, backend="asyncio")
+    except DrillStalled as stalled:
+        print(f"DRILL FAILED: {stalled}")
+        return 1
     (options.workdir / "report.json").write_bytes(result_json(result))
     allowed = (f"0 allowed; at_least_once would allow {result.duplicate_bound}" if args.exactly_once else
                f"at most {result.duplicate_bound} explained by the faults")

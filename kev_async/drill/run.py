@@ -58,7 +58,7 @@ class DrillOptions:
     faults: bool = True  # False: a plain throughput run (the scaling table)
     pin: bool = False  # pin worker i to core i mod cores (each worker runs one torch thread)
     startup_timeout_s: float = 180.0
-    answer_timeout_s: float = 600.0
+    answer_timeout_s: float = 600.0  # then DrillStalled names the unanswered questions
     route: str | None = None  # a strategy: publish to the intake topic and run `kev route`'s loop in process
     system_prompts: tuple[str, ...] = ()  # each question gets one at random (seeded); none when empty
     worker_env: dict[str, str] = field(default_factory=dict)  # extra KEV_* settings for every worker
@@ -133,19 +133,15 @@ async def _drill(run: _Run) -> None:
         tg.start_soon(publish_over_time, run.kafka, options, run.sent, run.note)
         if options.faults:
             await _faults(run)
-        with anyio.fail_after(options.answer_timeout_s):
-            while len(run.sent) < options.questions or not set(run.sent) <= run.answered():
+        with anyio.move_on_after(options.answer_timeout_s):
+            while not _all_answered(run):
                 await anyio.sleep(0.2)
-        run.note(f"all {options.questions} questions answered")
-        if options.route:  # where the router put each question: the positions the workers commit
-            run.sent = await positions(run.kafka)
-        # Answered is not settled: redelivered questions may still be answered again and committed.
-        # Stop the workers once the group's commits cover every question (or say it never happened).
-        settled = await until_committed(run.kafka, run.sent, timeout=120.0)
-        run.note("the group's commits cover every question" if settled else
-                 "the group's commits did not cover every question within 120 s")
-        await anyio.sleep(2.0)  # late duplicates from redelivery still count
+        stalled = None if _all_answered(run) else _stalled(run)
+        if stalled is None:
+            await _settle(run)
         tg.cancel_scope.cancel()
+    if stalled is not None:
+        raise stalled
     for worker in workers:
         if worker.fate == "running":
             worker.process.send_signal(signal.SIGTERM)
@@ -153,6 +149,40 @@ async def _drill(run: _Run) -> None:
     for worker in workers:
         await workers.wait_exit(worker)
     run.note("every worker stopped")
+
+
+class DrillStalled(RuntimeError):
+    """Questions still unanswered at the drill's deadline: which, where they sit, and who was running."""
+
+
+def _all_answered(run: _Run) -> bool:
+    return len(run.sent) >= run.options.questions and set(run.sent) <= run.answered()
+
+
+def _stalled(run: _Run) -> DrillStalled:
+    missing = sorted(set(run.sent) - run.answered())
+    unsent = run.options.questions - len(run.sent)
+    parts = []
+    if missing:
+        where = ", ".join(f"{q} (partition {run.sent[q][0]}, offset {run.sent[q][1]})" for q in missing[:8])
+        parts.append(f"{len(missing)} question(s) unanswered: {where}{' ...' if len(missing) > 8 else ''}")
+    if unsent:
+        parts.append(f"{unsent} never published")
+    fates = ", ".join(f"{w.name} {w.fate}" for w in run.workers) or "none started"
+    parts.append(f"workers: {fates}; their logs: {run.options.workdir}")
+    return DrillStalled(f"after {run.options.answer_timeout_s:.0f} s, " + "; ".join(parts))
+
+
+async def _settle(run: _Run) -> None:
+    """Answered is not settled: redelivered questions may still be answered again and committed. Wait
+    until the group's commits cover every question (or say it never happened), then for late duplicates."""
+    run.note(f"all {run.options.questions} questions answered")
+    if run.options.route:  # where the router put each question: the positions the workers commit
+        run.sent = await positions(run.kafka)
+    settled = await until_committed(run.kafka, run.sent, timeout=120.0)
+    run.note("the group's commits cover every question" if settled else
+             "the group's commits did not cover every question within 120 s")
+    await anyio.sleep(2.0)  # late duplicates from redelivery still count
 
 
 async def _faults(run: _Run) -> None:
