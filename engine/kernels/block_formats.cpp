@@ -53,18 +53,9 @@ struct Codes {
   int32_t* sum;
   float* scaled_sum;
   int64_t stride, blocks;  // q's row stride; blocks per row, padded to whole groups
-  int8_t* qi = nullptr;      // many rows, VNNI: each group's codes interleaved (see interleave_codes)
+  int8_t* qi = nullptr;      // many rows, VNNI: each group's codes woven (block_woven.cpp: weave_codes)
   int32_t* halves = nullptr;  // many rows, VNNI: per block, the sums of its two 16-code halves (Q6_K)
 };
-
-// A group of eight 32-byte blocks as eight registers of 4-byte pieces: register c holds bytes 4c..4c+3 of
-// block j in lane j, so one vpdpbusd per register adds a piece of every block into that block's own lane,
-// and a group's eight block dots come out lane by lane without a horizontal sum. Only where the bytes go
-// changes: every block dot is the same integer.
-inline void interleave(const uint8_t* blocks, uint8_t* out) {
-  for (int c = 0; c < 8; ++c)
-    for (int j = 0; j < 8; ++j) std::memcpy(out + c * 32 + j * 4, blocks + j * QB + c * 4, 4);
-}
 
 template <typename X>
 void quantize_row(const X* x, int64_t k, int8_t* q, float* scale, int32_t* sum, float* scaled_sum, int64_t blocks) {

@@ -182,15 +182,15 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
   std::vector<int8_t> woven_codes;
   std::vector<int32_t> halves;
   if (rows > 1) {  // one row takes row_dot, which reads the codes as they are
+    const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
     woven_codes.resize(q.size());
-    halves.resize(rows * 2 * blocks);
+    halves.resize(q6k ? rows * 2 * blocks : 0);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int8_t* codes = q.data() + r * blocks * QB;
         for (int64_t gi = 0; gi < blocks / 8; ++gi)
-          interleave(reinterpret_cast<const uint8_t*>(codes + gi * GROUP),
-                     reinterpret_cast<uint8_t*>(woven_codes.data() + r * blocks * QB + gi * GROUP));
-        for (int64_t b = 0; b < blocks; ++b) {
+          weave_codes(codes + gi * GROUP, woven_codes.data() + r * blocks * QB + gi * GROUP);
+        for (int64_t b = 0; q6k && b < blocks; ++b) {
           int32_t first = 0, second = 0;
           for (int i = 0; i < QB / 2; ++i) first += codes[b * QB + i], second += codes[b * QB + QB / 2 + i];
           halves[r * 2 * blocks + b] = first, halves[r * 2 * blocks + blocks + b] = second;

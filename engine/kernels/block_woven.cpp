@@ -6,7 +6,7 @@ namespace block_kernels {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-// Many rows on a CPU with VNNI: the weight group decoded once per chunk of rows and woven (see interleave),
+// Many rows on a CPU with VNNI: the weight group decoded once per chunk of rows and woven (transpose_pieces),
 // then per row eight vpdpbusd into one register whose lane j is block j's dot: the integers row_dot and
 // accumulate make, settled by the same float steps, so a row's bits are those of the one-row path. Signed
 // codes go in as unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums;
@@ -25,7 +25,10 @@ struct Woven {
   alignas(32) int32_t lo[8], hi[8];  // Q6_K: lane j's integer scale for block j's first and second 16 codes
 };
 
-// interleave's layout in registers: an 8x8 transpose of 4-byte pieces (block j's piece c to lane j of c).
+// A group of eight 32-byte blocks as eight registers of 4-byte pieces: register c holds bytes 4c..4c+3 of
+// block j in lane j, so one vpdpbusd per register adds a piece of every block into that block's own lane,
+// and a group's eight block dots come out lane by lane without a horizontal sum. Only where the bytes go
+// changes: every block dot is the same integer. An 8x8 transpose of 4-byte pieces, in registers.
 inline void transpose_pieces(__m256i r[8]) {
   __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
@@ -35,6 +38,14 @@ inline void transpose_pieces(__m256i r[8]) {
   }
   for (int c = 0; c < 4; ++c)
     r[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20), r[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+}
+
+// A row's codes for one group (eight blocks) laid out as transpose_pieces lays out a weight group.
+inline void weave_codes(const int8_t* group, int8_t* out) {
+  __m256i r[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * QB));
+  transpose_pieces(r);
+  for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 32), r[c]);
 }
 
 template <int64_t F>
