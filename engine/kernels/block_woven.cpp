@@ -125,44 +125,67 @@ inline void make_pair(const Woven& a, const Group& ga, const Woven& b, const Gro
   if constexpr (F == Q6_K) p.lo = halves_of(a.lo, b.lo), p.hi = halves_of(a.hi, b.hi);
 }
 
-template <int64_t F, int P>
-inline void woven_pairs(const Pair* pairs, const Codes& c, int64_t r0, int64_t count, int64_t gi, float* const* acc) {
+// R rows of the chunk against P pairs, R x P chains side by side. acc[k] + row * 32: the pairs' sums
+// interleave row by row (four_outputs).
+template <int64_t F, int P, int R>
+inline void pair_rows(const Pair* pairs, const Codes& c, int64_t r0, int64_t r, int64_t gi, float* const* acc) {
   constexpr Traits t = traits(F);
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
-    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
-    __m512i first[P], second[P];
-    for (int k = 0; k < P; ++k) first[k] = _mm512_setzero_si512(), second[k] = _mm512_setzero_si512();
-    for (int piece = 0; piece < 8; ++piece) {
-      const __m512i x = both(xi + piece * 32);
+  __m512i first[R][P], second[R][P];
+  const int8_t* xi[R];
+  for (int i = 0; i < R; ++i) {
+    xi[i] = c.qi + (r0 + r + i) * c.stride + gi * GROUP;
+    for (int k = 0; k < P; ++k) first[i][k] = _mm512_setzero_si512(), second[i][k] = _mm512_setzero_si512();
+  }
+  for (int piece = 0; piece < 8; ++piece)
+    for (int i = 0; i < R; ++i) {
+      const __m512i x = both(xi[i] + piece * 32);
       for (int k = 0; k < P; ++k) {
-        if (F == Q6_K && piece >= 4) second[k] = _mm512_dpbusd_epi32(second[k], pairs[k].u[piece], x);
-        else first[k] = _mm512_dpbusd_epi32(first[k], pairs[k].u[piece], x);
+        if (F == Q6_K && piece >= 4) second[i][k] = _mm512_dpbusd_epi32(second[i][k], pairs[k].u[piece], x);
+        else first[i][k] = _mm512_dpbusd_epi32(first[i][k], pairs[k].u[piece], x);
       }
     }
+  for (int i = 0; i < R; ++i) {
+    const int64_t row = r0 + r + i, at = row * c.blocks + gi * 8;
+    // loaded once for the P pairs: the compiler may not hoist them past the stores into acc
     const __m512 xs = both_ps(c.scale + at);
+    __m512i sums;
+    if constexpr (F == Q8_0 || t.offset != 0) sums = both(c.sum + at);
+    __m512 scaled_sums;
+    if constexpr (t.has_min) scaled_sums = both_ps(c.scaled_sum + at);
     for (int k = 0; k < P; ++k) {
-      __m512i dots = first[k];
-      if constexpr (F == Q8_0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), 7));
+      __m512i dots = first[i][k];
+      if constexpr (F == Q8_0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(sums, 7));
       if constexpr (F == Q6_K) {
         const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
         dots = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dots, _mm512_slli_epi32(both(h), 5)), pairs[k].lo),
-                                _mm512_mullo_epi32(_mm512_sub_epi32(second[k], _mm512_slli_epi32(both(h + c.blocks), 5)), pairs[k].hi));
+                                _mm512_mullo_epi32(_mm512_sub_epi32(second[i][k], _mm512_slli_epi32(both(h + c.blocks), 5)), pairs[k].hi));
       }
-      if constexpr (t.offset != 0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(both(c.sum + at), t.offset == 8 ? 3 : 4));
-      float* a = acc[k] + r * 16;
+      if constexpr (t.offset != 0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(sums, t.offset == 8 ? 3 : 4));
+      float* a = acc[k] + (r + i) * 32;
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(pairs[k].scale, xs), _mm512_loadu_ps(a));
-      if constexpr (t.has_min) v = _mm512_fnmadd_ps(pairs[k].min, both_ps(c.scaled_sum + at), v);
+      if constexpr (t.has_min) v = _mm512_fnmadd_ps(pairs[k].min, scaled_sums, v);
       _mm512_storeu_ps(a, v);
     }
   }
+}
+
+// Two rows at a time (1.03-1.08x on Q5_0 and Q8_0 at 128+ rows) but for Q6_K, whose second chains and
+// integer scales do not fit the registers with two rows.
+template <int64_t F, int P>
+inline void woven_pairs(const Pair* pairs, const Codes& c, int64_t r0, int64_t count, int64_t gi, float* const* acc) {
+  constexpr int R = F == Q6_K ? 1 : 2;
+  int64_t r = 0;
+  for (; r + R <= count; r += R) pair_rows<F, P, R>(pairs, c, r0, r, gi, acc);
+  for (; r < count; ++r) pair_rows<F, P, 1>(pairs, c, r0, r, gi, acc);
 }
 #endif
 #endif
 
 #if defined(KEV_PAIRS)
-// Outputs o .. o+3 of one group against the chunk's rows, as two pairs (see woven_pairs); each pair's
-// accumulators, [row][16], take its two outputs' space in acc.
+// Outputs o .. o+3 of one group against the chunk's rows, as two pairs (see woven_pairs). The quad's
+// accumulators are [row][pair][16]: with each pair's rows in a run of their own the two runs sat 8 KiB
+// apart at 128-row chunks, one pair's loads and the other's stores a multiple of 4 KiB apart, and the
+// same loop ran 1.03-1.16x slower.
 template <int64_t F>
 inline void four_outputs(const Codes& c, const uint8_t* first_row, int64_t row_bytes, int64_t gi, int64_t nblocks,
                          int64_t r0, int64_t count, float* acc) {
@@ -176,7 +199,7 @@ inline void four_outputs(const Codes& c, const uint8_t* first_row, int64_t row_b
       weave<F>(g[j], woven[j]);
     }
     make_pair<F>(woven[0], g[0], woven[1], g[1], pairs[k]);
-    acc_of[k] = acc + 2 * k * count * 8;
+    acc_of[k] = acc + k * 16;
   }
   woven_pairs<F, 2>(pairs, c, r0, count, gi, acc_of);
 }
@@ -194,7 +217,7 @@ template <typename Y>
 __attribute__((noinline)) void store_four(const float* acc, int64_t count, Y* y, int64_t n) {
   const __m512i pick = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t r = 0; r < count; ++r) {
-    const __m512 first = pair_sums(_mm512_loadu_ps(acc + r * 16)), second = pair_sums(_mm512_loadu_ps(acc + (count + r) * 16));
+    const __m512 first = pair_sums(_mm512_loadu_ps(acc + r * 32)), second = pair_sums(_mm512_loadu_ps(acc + r * 32 + 16));
     alignas(16) float four[4];
     _mm_store_ps(four, _mm512_castps512_ps128(_mm512_permutex2var_ps(first, pick, second)));
     for (int j = 0; j < 4; ++j) y[r * n + j] = static_cast<Y>(four[j]);
