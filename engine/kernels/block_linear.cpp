@@ -129,12 +129,24 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
   }
 }
 
+struct Task {
+  const Part* part;
+  int64_t begin, end;
+};
+
+// The next task's weight rows, asked for while this one runs. Many rows read a task's 16 outputs group by
+// group, 16 short runs at a time, which the hardware prefetcher does not follow: a weight coming from memory
+// (a model larger than the caches) was read a line at a time. 1.03-1.32x at 2-24 rows with cold caches; one
+// row reads each output's row straight through and needs no help.
+inline void prefetch(const Task& task, const uint8_t* base, int64_t k) {
+  const int64_t row_bytes = k / block_elems(task.part->format) * block_bytes(task.part->format);
+  const uint8_t* first = base + task.part->offset + task.begin * row_bytes;
+  for (const uint8_t* p = first; p < first + (task.end - task.begin) * row_bytes; p += 64)
+    __builtin_prefetch(p, 0, 3);
+}
+
 template <typename Y>
 void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layout& layout, Y* y, int64_t n) {
-  struct Task {
-    const Part* part;
-    int64_t begin, end;
-  };
   std::vector<Task> tasks;
   for (const Part& part : layout.parts)
     for (int64_t r = 0; r < part.rows; r += TILE) tasks.push_back({&part, r, std::min(part.rows, r + TILE)});
@@ -142,6 +154,7 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
     Group g;
     std::vector<float> acc(TILE * ROW_CHUNK * 8);
     for (int64_t t = t0; t < t1; ++t) {
+      if (rows > 1 && t + 1 < t1) prefetch(tasks[t + 1], base, layout.k);
       const Part& p = *tasks[t].part;
       auto run = [&](auto format) {
         part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data());
