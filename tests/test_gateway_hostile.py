@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import anyio
@@ -379,20 +381,30 @@ def test_a_tenant_over_its_cap_gets_429_with_retry_after(unanswered):
     eventually_sync(a_slot_again, timeout=10, every=0.1, what="the tenant's slots given back")
 
 
+@contextmanager
+def _paused(broker, seconds: float):
+    """The broker stopped (SIGSTOP) and continued `seconds` later by a timer: the gateway sends its cancel
+    and waits for it (up to 2 s) before it answers, so the test's own thread cannot continue the broker."""
+    broker.send_signal(signal.SIGSTOP)
+    timer = threading.Timer(seconds, broker.send_signal, (signal.SIGCONT,))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        broker.send_signal(signal.SIGCONT)
+
+
 def test_a_publish_not_acked_in_time_is_a_503_and_cancelled(kafka_broker):
-    """publish_timeout_ms 1: the broker is up but its ack comes too late. The question may still land on the
-    questions topic, so the gateway cancels it on kev.control, signed and keyed by its id."""
-    cfg = stack_config(kafka_config(kafka_broker), publish_timeout_ms=1)
+    """publish_timeout_ms 200 with the broker paused for 0.7 s: it is up, but its ack comes too late (an
+    unpaused broker on loopback can ack within 1 ms). The question may still land on the questions topic,
+    so the gateway cancels it on kev.control, signed and keyed by its id."""
+    cfg = stack_config(kafka_config(kafka_broker), publish_timeout_ms=200)
     run(create_topics, cfg.kafka, {cfg.kafka.questions_topic: 2, cfg.kafka.control_topic: 1})
     with live_stack(cfg, worker=False) as stack:
-        for _ in range(20):
-            # An ack may still beat 1 ms on a fast host: that stream is open with no worker to answer it, so
-            # only its status is read before the next try.
-            with ExitStack() as held:
-                response = _open_stream(held, stack.url, API_KEY)
-                if response.status_code == 503:
-                    response.read()
-                    break
+        with ExitStack() as held, _paused(kafka_broker, 0.7):
+            response = _open_stream(held, stack.url, API_KEY)
+            response.read()
         assert_openai_error(response, 503)
         question_id = response.headers["x-request-id"]
     kafka = cfg.kafka

@@ -167,6 +167,12 @@ class EmbeddedBroker:
                 process.wait()
         return process.returncode
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the running broker: a test pauses it (SIGSTOP) and continues it (SIGCONT) to make its
+        acks late without a fault."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(sig)
+
     def __enter__(self) -> "EmbeddedBroker":
         return self.start()
 
