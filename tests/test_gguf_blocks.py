@@ -111,3 +111,39 @@ def test_full_and_int8_still_load_the_file(gguf):
 def test_a_file_with_other_formats_runs_full(harness):
     """The built-in SmolLM2 file is Q4_1, not a format Kev runs as stored: auto loads it in full."""
     assert set(unstored_matrices(gguf_file(DEFAULT_MODEL)).values()) == {"Q4_1"}
+
+
+def test_a_stored_load_keeps_transformers_modeling_code_out_of_the_process(gguf, tmp_path):
+    """The name map is made once, in the child that describes the file, and kept beside its config: loading
+    a GGUF as stored no longer builds the model on the meta device in the serving process (~85 MiB that
+    stayed resident), on the first start or any later one."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys; from engine import load_model; m = load_model(sys.argv[1], device='cpu', dtype='fp32'); "
+             "print(m.weight_format, 'transformers.modeling_utils' in sys.modules)")
+    env = dict(os.environ, KEV_CACHE_DIR=str(tmp_path / "cache"))
+    for start in ("first", "later"):
+        done = subprocess.run([sys.executable, "-c", probe, str(gguf)], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[-2:] == ["gguf", "False"], (start, done.stdout)
+    described = resolve_model_dir(str(gguf), weights=False)
+    assert (described / "gguf_names.json").is_file()
+
+
+def test_a_matrix_read_into_place_becomes_its_weight_without_a_copy():
+    """A file's matrix is read where the packed weight keeps it (BlockTensor.blank), so the largest one (a
+    big vocabulary's embedding table) never takes twice its bytes; it multiplies as a copied one does."""
+    from engine.kernels.block_weight import FORMATS, BlockTensor
+
+    fmt, rows, k = FORMATS["Q8_0"], 48, 256
+    codes = torch.from_numpy(quantize(np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32), "Q8_0"))
+    placed = BlockTensor.blank(fmt, rows, k)
+    placed.data.copy_(codes.reshape(rows, -1))
+    copied = BlockTensor(fmt, codes.reshape(rows, -1).clone(), k)
+    in_place, packed_copy = BlockWeight([placed], torch.float32), BlockWeight([copied], torch.float32)
+    assert in_place.packed.data_ptr() == placed.buffer.data_ptr()
+    assert torch.equal(in_place.packed, packed_copy.packed)
+    x = torch.randn(5, k)
+    assert torch.equal(in_place.linear(x), packed_copy.linear(x))

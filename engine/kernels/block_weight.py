@@ -54,6 +54,16 @@ class BlockTensor:
     format: BlockFormat
     data: torch.Tensor
     k: int
+    buffer: torch.Tensor | None = None  # set by blank(): the buffer `data` sits in, where pack() puts it
+
+    @classmethod
+    def blank(cls, fmt: BlockFormat, rows: int, k: int) -> "BlockTensor":
+        """A matrix of unset bytes placed in a buffer as pack() lays out one part, so that a matrix read
+        into `data` (a file's tensor) becomes its block weight without a copy: the largest matrix (a big
+        vocabulary's embedding table) would otherwise briefly take twice its bytes."""
+        row_bytes = k // fmt.block * fmt.bytes
+        buffer = torch.empty(HEADER_BYTES + _aligned(rows * row_bytes), dtype=torch.uint8)
+        return cls(fmt, buffer[HEADER_BYTES : HEADER_BYTES + rows * row_bytes].view(rows, row_bytes), k, buffer)
 
     def __post_init__(self):
         if self.k % self.format.block:
@@ -84,12 +94,21 @@ def pack(parts: list[BlockTensor]) -> torch.Tensor:
     header, offset = [MAGIC, k, len(parts)], HEADER_BYTES
     for part in parts:
         header += [part.format.ggml_type, part.shape[0], offset]
-        offset += -(-part.data.numel() // ALIGN) * ALIGN
-    out = torch.zeros(offset, dtype=torch.uint8)
+        offset += _aligned(part.data.numel())
+    if len(parts) == 1 and parts[0].buffer is not None:  # read where it belongs: the header goes in front
+        out, used = parts[0].buffer, HEADER_BYTES + parts[0].data.numel()
+        out[:HEADER_BYTES].zero_()
+        out[used:].zero_()
+    else:
+        out = torch.zeros(offset, dtype=torch.uint8)
+        for part, start in zip(parts, header[5::3]):
+            out[start : start + part.data.numel()] = part.data.reshape(-1)
     out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
-    for part, start in zip(parts, header[5::3]):
-        out[start : start + part.data.numel()] = part.data.reshape(-1)
     return out
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 class BlockWeight(RowWeight):

@@ -12,6 +12,7 @@ whole blocks, the permutation moves bytes and changes no value).
 from __future__ import annotations
 
 import functools
+import json
 import math
 import mmap
 import struct
@@ -24,6 +25,9 @@ import torch
 
 from engine.kernels import native
 from engine.kernels.block_weight import BY_TYPE, BlockTensor, BlockWeight
+
+
+NAMES_FILE = "gguf_names.json"
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,13 @@ class GgufState(Mapping):
     """transformers' name -> the weight, read from the file when asked: a BlockWeight (compute dtype
     `dtype`) for a block-format matrix, else a float32 tensor. Each tensor is read once, when first asked."""
 
-    def __init__(self, path: Path, hf_config, dtype: torch.dtype):
+    def __init__(self, path: Path, hf_config, dtype: torch.dtype, names: dict[str, str] | None = None):
+        """`names`: the file's name map as `name_map` gives it (loader.py keeps it beside the config), else
+        made here, at the cost of transformers' modeling code staying imported (~85 MiB)."""
         self.path, self.dtype = Path(path), dtype
         header = read_header(self.path)
         self._processor = _processor(header.architecture, hf_config)
-        to_hf = _name_map(hf_config, self._processor)
+        to_hf = names if names is not None else name_map(hf_config, header.architecture)
         self._tensors = {to_hf[t.name]: t for t in header.tensors if t.name in to_hf}
 
     def __getitem__(self, name: str):
@@ -156,9 +162,10 @@ class GgufState(Mapping):
     def __len__(self) -> int:
         return len(self._tensors)
 
-    def _bytes(self, info) -> np.ndarray:
-        """The tensor's bytes read from the file (not mapped: mapped pages would stay in the process)."""
-        out = np.empty(info.n_bytes, dtype=np.uint8)
+    def _bytes(self, info, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's bytes read from the file into `out` (or a new array); not mapped: mapped pages
+        would stay in the process."""
+        out = np.empty(info.n_bytes, dtype=np.uint8) if out is None else out.reshape(-1)
         with open(self.path, "rb") as file:
             file.seek(info.offset)
             if file.readinto(memoryview(out)) != out.size:
@@ -168,7 +175,11 @@ class GgufState(Mapping):
     def _blocks(self, info) -> BlockTensor:
         fmt = BY_TYPE[info.ggml_type]
         k, rows = info.dims
-        blocks = BlockTensor(fmt, torch.from_numpy(self._bytes(info).reshape(rows, -1)), k)
+        blocks = BlockTensor.blank(fmt, rows, k)
+        if blocks.data.numel() != info.n_bytes:
+            raise ValueError(f"{self.path}: {info.name} holds {info.n_bytes} bytes, not the {blocks.data.numel()} "
+                             f"of {rows} {fmt.name} rows of {k}")
+        self._bytes(info, blocks.data.numpy())
         order = self._processor.process(weights=np.arange(rows, dtype=np.float64).reshape(rows, 1), name=info.name).weights
         order = np.asarray(order).reshape(-1)
         return blocks if np.array_equal(order, np.arange(rows)) else blocks.take_rows(order.astype(np.int64))
@@ -189,11 +200,26 @@ def _processor(architecture: str, hf_config):
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
 
 
-def _name_map(hf_config, processor) -> dict[str, str]:
-    """GGUF name -> transformers' name, from transformers' own map over the model built on the meta device."""
+def name_map(hf_config, architecture: str) -> dict[str, str]:
+    """GGUF name -> transformers' name, from transformers' own map over the model built on the meta device
+    (`architecture`: the file's, which picks transformers' tensor processor)."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return get_gguf_hf_weights_map(model, processor)
+    return get_gguf_hf_weights_map(model, _processor(architecture, hf_config))
+
+
+def save_name_map(path: Path, hf_config, directory: Path) -> None:
+    """Keep GGUF `path`'s name map in `directory`, so that a process loading it never imports the modeling code."""
+    names = name_map(hf_config, read_header(Path(path)).architecture)
+    (Path(directory) / NAMES_FILE).write_text(json.dumps(names, indent=0))
+
+
+def load_name_map(directory: Path) -> dict[str, str] | None:
+    """The name map kept in a described GGUF's directory; None in one described before it was kept."""
+    try:
+        return json.loads((Path(directory) / NAMES_FILE).read_text())
+    except FileNotFoundError:
+        return None

@@ -12,6 +12,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -96,14 +98,15 @@ def _builtin_gguf(name: str) -> Path:
 
 def _gguf_to_dir(gguf: Path, weights: bool = True) -> Path:
     stat = gguf.stat()
-    target = cache_dir() / f"{gguf.stem}-{stat.st_size}{'' if weights else '-config'}"
+    # "-described": config, tokenizer and the tensor name map (a "-config" directory from before had no map)
+    target = cache_dir() / f"{gguf.stem}-{stat.st_size}{'' if weights else '-described'}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary directory and rename, so a crash never leaves half a model behind.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        (_convert if weights else _describe)(gguf, staging)
+        (_convert if weights else _describe_apart)(gguf, staging)
         os.replace(staging, target)
     except OSError:
         if not (target / "config.json").is_file():  # another process may have won the race
@@ -128,14 +131,27 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _describe_apart(gguf: Path, out: Path) -> None:
+    """_describe in a child process: what it imports (transformers' modeling code, ~85 MiB) and reads (the
+    whole vocabulary, twice) would otherwise stay in the serving process after its first start."""
+    done = subprocess.run([sys.executable, "-m", "engine.model.loader", str(gguf), str(out)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise UnsupportedModel(f"{gguf.name}: reading its config and tokenizer failed: {lines[-1]}")
+
+
 def _describe(gguf: Path, out: Path) -> None:
-    """The config and tokenizer of a GGUF, without its weights (no tensor is read)."""
+    """The config, tokenizer and tensor name map of a GGUF, without its weights (no tensor is read)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model.gguf_weights import save_name_map
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     architecture = AutoModelForCausalLM._model_mapping[type(config)].__name__
     _write_config(config, architecture, out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    save_name_map(gguf, AutoConfig.from_pretrained(out), out)  # the config as load_model reads it
 
 
 def _write_config(config, architecture: str, out: Path) -> None:
@@ -143,3 +159,7 @@ def _write_config(config, architecture: str, out: Path) -> None:
     values.pop("quantization_config", None)  # Kev reads the weights' formats itself
     values["architectures"] = [architecture]
     (out / "config.json").write_text(json.dumps(values, indent=2))
+
+
+if __name__ == "__main__":  # _describe_apart's child: python -m engine.model.loader FILE.gguf OUT_DIR
+    _describe(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -16,7 +16,7 @@ from engine.kernels.omp_pool import release_thread_pool
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
 from engine.model.key_means import key_means
-from engine.model.gguf_weights import GgufState, runs_as_stored
+from engine.model.gguf_weights import GgufState, load_name_map, runs_as_stored
 from engine.model.loader import UnsupportedModel, gguf_file, resolve_model_dir
 from engine.model.transformer import Transformer
 
@@ -128,8 +128,9 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     dtype_ = compute_dtype(pick_dtype(dtype, device_), device_)
     weight_format = "gguf" if stored else "full" if weight_format == "auto" else weight_format
     if stored:
-        matrices = Transformer.from_state_dict(spec, GgufState(gguf, config, dtype_), rope_tables(config, spec),
-                                               device_, dtype_, mode=math_mode(deterministic))
+        state = GgufState(gguf, config, dtype_, load_name_map(path))
+        matrices = Transformer.from_state_dict(spec, state, rope_tables(config, spec), device_, dtype_,
+                                               mode=math_mode(deterministic))
     else:
         matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
                                                 mode=math_mode(deterministic), int8=weight_format == "int8",
