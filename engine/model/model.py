@@ -12,6 +12,7 @@ from engine.deterministic.mode import math_mode
 from engine.attention_form import AttentionForm
 from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
+from engine.kernels.heap import give_back_freed_pages
 from engine.kernels.omp_pool import release_thread_pool
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
@@ -127,6 +128,10 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
         check_deterministic_device(device_.type)
     dtype_ = compute_dtype(pick_dtype(dtype, device_), device_)
     weight_format = "gguf" if stored else "full" if weight_format == "auto" else weight_format
+    # The tokenizer before the weights: its parse's temporaries (~60 MiB for a 151k vocabulary) are freed
+    # before the weights arrive, not on top of them at the load's peak.
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    give_back_freed_pages()
     if stored:
         state = GgufState(gguf, config, dtype_, load_name_map(path))
         matrices = Transformer.from_state_dict(spec, state, rope_tables(config, spec), device_, dtype_,
@@ -135,10 +140,10 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
         matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
                                                 mode=math_mode(deterministic), int8=weight_format == "int8",
                                                 pack_fp32=pack_fp32, matmul_kernel=matmul)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
         kernel()
     release_thread_pool()  # steps run on another thread (the engine's device thread): engine/kernels/omp_pool.py
+    give_back_freed_pages()  # the load's temporaries: engine/kernels/heap.py
     return Model(spec, matrices, tokenizer, device_, dtype_, path, config, weight_format)
 
 
