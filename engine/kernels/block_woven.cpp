@@ -1,22 +1,42 @@
-// block_linear.cpp's many-row paths on CPUs with VNNI: each weight group woven so one vpdpbusd adds into
-// eight blocks' lanes, and with AVX-512 four outputs at a time as two 512-bit pairs. Compiled after
+// block_linear.cpp's many-row paths with AVX2: each weight group woven so one dot product (vpdpbusd with
+// VNNI) adds into eight blocks' lanes, and with AVX-512 four outputs at a time as two 512-bit pairs. Compiled after
 // block_formats.cpp, in one translation unit (native.py).
 
 namespace block_kernels {
 
 #if defined(__AVX2__) && defined(__FMA__)
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-// Many rows on a CPU with VNNI: the weight group decoded once per chunk of rows and woven (transpose_pieces),
-// then per row eight vpdpbusd into one register whose lane j is block j's dot: the integers row_dot and
-// accumulate make, settled by the same float steps, so a row's bits are those of the one-row path. Signed
-// codes go in as unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums;
-// vpdpbusd adds u8 x s8 products in int32, so nothing saturates (AVX2's vpmaddubsw would: its path stays).
+// Many rows: the weight group decoded once per chunk of rows and woven (transpose_pieces), then per row eight
+// dot products into one register whose lane j is block j's dot: the integers row_dot and accumulate make,
+// settled by the same float steps, so a row's bits are those of the one-row path. Signed codes go in as
+// unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums. VNNI's vpdpbusd
+// adds u8 x s8 products in int32; without it, vpmaddubsw's int16 pair sums would saturate on Q8_0's
+// offset codes (255 x 127 x 2), so on such a CPU Q8_0 keeps accumulate's path (woven_fits).
 #define KEV_WOVEN 1
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KEV_VNNI 1
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+// Two pieces' vpmaddubsw pair sums added in int16, then widened once by vpmaddwd: every code woven here
+// is at most 63 (Q6_K's w + 32) and every row code at most 127 in size, so the int16 sum of two pairs
+// stays within 4 x 63 x 127 = 32,004 < 2^15 and the int32 dot is exact, as vpdpbusd's.
+inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+template <int64_t F>
+constexpr bool woven_fits() {
+#if defined(KEV_VNNI)
+  return true;
+#else
+  return F != Q8_0;
 #endif
 }
 
@@ -79,11 +99,20 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
     const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
     const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
     __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+#if defined(KEV_VNNI)
     for (int piece = 0; piece < 8; ++piece) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
       if (F == Q6_K && piece >= 4) second = dot_acc(second, u[piece], x);
       else first = dot_acc(first, u[piece], x);
     }
+#else
+    for (int piece = 0; piece < 8; piece += 2) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32 + 32));
+      if (F == Q6_K && piece >= 4) second = dot_acc2(second, u[piece], x0, u[piece + 1], x1);
+      else first = dot_acc2(first, u[piece], x0, u[piece + 1], x1);
+    }
+#endif
     if constexpr (F == Q8_0)
       first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sum + at)), 7));
     if constexpr (F == Q6_K) {
@@ -178,7 +207,6 @@ inline void woven_pairs(const Pair* pairs, const Codes& c, int64_t r0, int64_t c
   for (; r + R <= count; r += R) pair_rows<F, P, R>(pairs, c, r0, r, gi, acc);
   for (; r < count; ++r) pair_rows<F, P, 1>(pairs, c, r0, r, gi, acc);
 }
-#endif
 #endif
 
 #if defined(KEV_PAIRS)
