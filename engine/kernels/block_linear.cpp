@@ -24,8 +24,15 @@ namespace block_kernels {
 constexpr int64_t MAGIC = 0x4b45564230303031;  // "KEVB0001"
 constexpr int64_t HEADER_BYTES = 256, MAX_PARTS = 9;
 constexpr int64_t TILE = 16;      // outputs per task
-constexpr int64_t ROW_CHUNK = 192;  // most rows whose accumulators live together while a weight group is decoded
-                                    // (192 over 128: 1.02-1.09x at 135-176 rows, the stall-free steps; same beyond)
+// Most rows whose accumulators live together while a weight group is decoded. With AVX-512's pairs, 192 (over
+// 128: 1.02-1.09x at 135-176 rows, the stall-free steps; the same beyond). Without, each output rereads the
+// chunk's codes for the group (256 bytes a row), which at 64 rows stay in a 32 KiB L1: on an AVX2-only AMD
+// EPYC 1.03-1.17x over 192 at 135-512 rows (96 and 128 lost on Q6_K).
+#if defined(KEV_PAIRS)
+constexpr int64_t ROW_CHUNK = 192;
+#else
+constexpr int64_t ROW_CHUNK = 64;
+#endif
 constexpr int64_t PAIR_MIN_ROWS = 6;  // fewer rows than this: decoding four outputs' groups costs more than pairs save
 
 // The int8 dot product this build multiplies with.
