@@ -114,7 +114,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
         float* out = acc + (o - begin) * count * 8;
         decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
 #if defined(KEV_WOVEN)
-        if (woven_fits<F>() && c.qi != nullptr) {
+        if (c.qi != nullptr) {
           weave<F>(g, woven);
           woven_rows<F>(woven, g, c, r0, count, gi, out);
           continue;

@@ -10,10 +10,12 @@ namespace block_kernels {
 // settled by the same float steps, so a row's bits are those of the one-row path. Signed codes go in as
 // unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums. VNNI's vpdpbusd
 // adds u8 x s8 products in int32; without it, vpmaddubsw's int16 pair sums would saturate on Q8_0's
-// offset codes (255 x 127 x 2), so on such a CPU Q8_0 keeps accumulate's path (woven_fits).
+// offset codes (255 x 127 x 2), so there Q8_0 is woven as |w| beside w, and each row's codes take w's
+// signs (accumulate's integers: |w| x sign(x, w), a pair at most 2 x 128 x 127).
 #define KEV_WOVEN 1
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define KEV_VNNI 1
+constexpr bool SIGNED_WEAVE = false;
 inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
@@ -22,6 +24,7 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 #else
+constexpr bool SIGNED_WEAVE = true;  // Q8_0 woven as |w| and w
 // Two pieces' vpmaddubsw pair sums added in int16, then widened once by vpmaddwd: every code woven here
 // is at most 63 (Q6_K's w + 32) and every row code at most 127 in size, so the int16 sum of two pairs
 // stays within 4 x 63 x 127 = 32,004 < 2^15 and the int32 dot is exact, as vpdpbusd's.
@@ -31,17 +34,9 @@ inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i
 }
 #endif
 
-template <int64_t F>
-constexpr bool woven_fits() {
-#if defined(KEV_VNNI)
-  return true;
-#else
-  return F != Q8_0;
-#endif
-}
-
 struct Woven {
   alignas(32) uint8_t u[8 * QB];
+  alignas(32) int8_t w[8 * QB];  // Q8_0 without VNNI: the signed codes, woven as u
   alignas(32) int32_t lo[8], hi[8];  // Q6_K: lane j's integer scale for block j's first and second 16 codes
 };
 
@@ -74,7 +69,9 @@ inline void weave(const Group& g, Woven& out) {
   for (int j = 0; j < 8; ++j) {
     u[j] = _mm256_setzero_si256();  // blocks past the row's end: zero codes, so a zero dot
     if (j < g.count) {
-      if constexpr (F == Q8_0)
+      if constexpr (F == Q8_0 && SIGNED_WEAVE)
+        u[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j]));
+      else if constexpr (F == Q8_0)
         u[j] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(-128));
       else if constexpr (F == Q6_K)
         u[j] = _mm256_add_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(g.w[j])), _mm256_set1_epi8(32));
@@ -83,7 +80,10 @@ inline void weave(const Group& g, Woven& out) {
     }
   }
   transpose_pieces(u);
-  for (int c = 0; c < 8; ++c) put(out.u + c * 32, u[c]);
+  for (int c = 0; c < 8; ++c) {
+    if constexpr (F == Q8_0 && SIGNED_WEAVE) put(out.w + c * 32, u[c]), u[c] = _mm256_abs_epi8(u[c]);
+    put(out.u + c * 32, u[c]);
+  }
   if constexpr (F == Q6_K)
     for (int j = 0; j < 8; ++j) out.lo[j] = g.lane_scale[j][0], out.hi[j] = g.lane_scale[j][4];
 }
@@ -106,14 +106,22 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
       else first = dot_acc(first, u[piece], x);
     }
 #else
-    for (int piece = 0; piece < 8; piece += 2) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32 + 32));
-      if (F == Q6_K && piece >= 4) second = dot_acc2(second, u[piece], x0, u[piece + 1], x1);
-      else first = dot_acc2(first, u[piece], x0, u[piece + 1], x1);
+    if constexpr (F == Q8_0) {  // vpmaddubsw's pairs of |w| x sign(x, w) fit int16; two pieces' sums would not
+      for (int piece = 0; piece < 8; ++piece) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
+        const __m256i s = _mm256_sign_epi8(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w.w + piece * 32)));
+        first = _mm256_add_epi32(first, _mm256_madd_epi16(_mm256_maddubs_epi16(u[piece], s), _mm256_set1_epi16(1)));
+      }
+    } else {
+      for (int piece = 0; piece < 8; piece += 2) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32 + 32));
+        if (F == Q6_K && piece >= 4) second = dot_acc2(second, u[piece], x0, u[piece + 1], x1);
+        else first = dot_acc2(first, u[piece], x0, u[piece + 1], x1);
+      }
     }
 #endif
-    if constexpr (F == Q8_0)
+    if constexpr (F == Q8_0 && !SIGNED_WEAVE)
       first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sum + at)), 7));
     if constexpr (F == Q6_K) {
       const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
