@@ -147,3 +147,23 @@ def test_a_matrix_read_into_place_becomes_its_weight_without_a_copy():
     assert torch.equal(in_place.packed, packed_copy.packed)
     x = torch.randn(5, k)
     assert torch.equal(in_place.linear(x), packed_copy.linear(x))
+
+
+def test_a_file_transformers_cannot_describe_is_refused_in_one_line(harness, smollm2_tokenizer, tmp_path, monkeypatch):
+    """The child that reads a stored GGUF's config and tokenizer fails: load_model names the file and the
+    cause in one line, and leaves no half-described directory in the cache."""
+    import gguf_writer
+
+    from engine.model.loader import UnsupportedModel
+
+    def unknown_tokenizer(writer, tokenizer, size):
+        writer.add_tokenizer_model("no-such-tokenizer")
+        writer.add_token_list([f"t{i}" for i in range(size)])
+
+    monkeypatch.setattr(gguf_writer, "_add_tokenizer", unknown_tokenizer)
+    path = write_llama_gguf(harness.build_hf_tiny("llama", seed=7, **SHAPE), tmp_path / "odd-tokenizer.gguf",
+                            FORMATS, smollm2_tokenizer)
+    monkeypatch.setenv("KEV_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(UnsupportedModel, match=r"^odd-tokenizer\.gguf: reading its config and tokenizer failed: .*no-such-tokenizer"):
+        load_model(str(path), device="cpu", dtype="fp32")
+    assert list((tmp_path / "cache").iterdir()) == []
