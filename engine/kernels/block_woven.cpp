@@ -110,7 +110,7 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
       for (int piece = 0; piece < 8; ++piece) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
         const __m256i s = _mm256_sign_epi8(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w.w + piece * 32)));
-        first = _mm256_add_epi32(first, _mm256_madd_epi16(_mm256_maddubs_epi16(u[piece], s), _mm256_set1_epi16(1)));
+        first = _mm256_add_epi32(first, dot_u8s8(u[piece], s));
       }
     } else {
       for (int piece = 0; piece < 8; piece += 2) {

@@ -218,7 +218,7 @@ def save_name_map(path: Path, hf_config, directory: Path) -> None:
 
 
 def load_name_map(directory: Path) -> dict[str, str] | None:
-    """The name map kept in a described GGUF's directory; None in one described before it was kept."""
+    """The name map kept in a described GGUF's directory; None where it is missing (GgufState then makes it)."""
     try:
         return json.loads((Path(directory) / NAMES_FILE).read_text())
     except FileNotFoundError:
