@@ -252,6 +252,19 @@ inline void q6k_codes(const uint8_t* b, int h, __m256i codes[4]) {
                              _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2));
 }
 
+// k_scale_min's eight scales and eight mins at once, as int32 lanes: the twelve bytes as three words,
+// the 6-bit fields gathered with masks and shifts (the same values, no per-field loads and stores).
+inline void k_scales_mins(const uint8_t* s, __m256i& scales, __m256i& mins) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint32_t sc_lo = w[0] & low6, m_lo = w[1] & low6;
+  const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
+  const uint32_t m_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
+  scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(static_cast<uint64_t>(sc_hi) << 32 | sc_lo)));
+  mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(static_cast<uint64_t>(m_hi) << 32 | m_lo)));
+}
+
 template <int64_t F>
 inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
   const __m256i low4 = _mm256_set1_epi8(0xF);
@@ -299,12 +312,10 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
     const uint8_t* b = row + g * block_bytes(F);
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      k_scale_min(b + 4, j, sc, m);
-      out.scale[j] = d * static_cast<float>(sc);
-      out.min[j] = dmin * static_cast<float>(m);
-    }
+    __m256i scs, mins;
+    k_scales_mins(b + 4, scs, mins);
+    _mm256_store_ps(out.scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(scs)));
+    _mm256_store_ps(out.min, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(mins)));
     [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int c = 0; c < 4; ++c) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
@@ -389,43 +400,55 @@ inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const 
     if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
       const int64_t first = gi * 8;
       const int count = static_cast<int>(std::min<int64_t>(8, nblocks - first));
-      alignas(16) uint16_t halves[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j = 0; j < 8; ++j) {
-        if (j >= count) {
-          p[j] = _mm256_setzero_si256();
-          continue;
-        }
-        const uint8_t* b = row + (first + j) * block_bytes(F);
-        halves[j] = half_bits(b);
-        if constexpr (F == Q8_0) {
-          p[j] = signed_dot(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), q + j * QB);
-        } else if constexpr (F == Q4_0) {
-          p[j] = unsigned_dot(nibbles16(b + 2), q + j * QB);
-        } else {
-          p[j] = unsigned_dot(q5_codes(b), q + j * QB);
-        }
+      const uint8_t* b = row + first * block_bytes(F);
+      auto dot = [&](int j) {
+        const uint8_t* bj = b + j * block_bytes(F);
+        if constexpr (F == Q8_0) return signed_dot(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 2)), q + j * QB);
+        else if constexpr (F == Q4_0) return unsigned_dot(nibbles16(bj + 2), q + j * QB);
+        else return unsigned_dot(q5_codes(bj), q + j * QB);
+      };
+      __m128i halves = _mm_setzero_si128();
+      if (count == 8) {
+#define KEV_HALF(j) halves = _mm_insert_epi16(halves, half_bits(b + (j) * block_bytes(F)), j); p[j] = dot(j);
+        KEV_HALF(0) KEV_HALF(1) KEV_HALF(2) KEV_HALF(3) KEV_HALF(4) KEV_HALF(5) KEV_HALF(6) KEV_HALF(7)
+      } else {
+        for (int j = 0; j < 8; ++j) p[j] = _mm256_setzero_si256();
+        KEV_HALF(0)
+        if (count > 1) { KEV_HALF(1) }
+        if (count > 2) { KEV_HALF(2) }
+        if (count > 3) { KEV_HALF(3) }
+        if (count > 4) { KEV_HALF(4) }
+        if (count > 5) { KEV_HALF(5) }
+        if (count > 6) { KEV_HALF(6) }
+#undef KEV_HALF
       }
-      scale = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(halves)));
+      scale = _mm256_cvtph_ps(halves);
     } else if constexpr (F == Q6_K) {
       const uint8_t* b = row + gi * block_bytes(F);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       scale = _mm256_set1_ps(half(b + 208));
+      // the sixteen int8 scales as int16, the even ones in the low half and the odd ones in the high half,
+      // so one vpshufb gives block j's pair (2j for its first 16 codes, 2j + 1 for its second), and vpmaddwd
+      // multiplies by them as it widens: the same integers as the dot product times the scale
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
       const __m256i bias = _mm256_set1_epi8(32);
       for (int h = 0; h < 2; ++h) {
         __m256i codes[4];
         q6k_codes(b, h, codes);
         for (int k = 0; k < 4; ++k) {
           const int j = 4 * h + k;
-          const __m256i lanes = _mm256_set_m128i(_mm_set1_epi32(sc[2 * j + 1]), _mm_set1_epi32(sc[2 * j]));
-          p[j] = _mm256_mullo_epi32(signed_dot(_mm256_sub_epi8(codes[k], bias), q + j * QB), lanes);
+          const __m256i w = _mm256_sub_epi8(codes[k], bias);
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * QB));
+          const __m256i lanes = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
+          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), lanes);
         }
       }
     } else {  // Q4_K, Q5_K
       const uint8_t* b = row + gi * block_bytes(F);
-      alignas(32) int32_t scs[8], mins[8];
-      for (int j = 0; j < 8; ++j) k_scale_min(b + 4, j, scs[j], mins[j]);
-      scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scs))));
-      min = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mins))));
+      __m256i scs, mins;
+      k_scales_mins(b + 4, scs, mins);
+      scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(scs));
+      min = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(mins));
       const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
       [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       for (int k = 0; k < 4; ++k) {
