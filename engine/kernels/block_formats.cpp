@@ -335,7 +335,7 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
 }
 
 // A group's eight block dots (lane j: block j's) into a row's eight lanes: the float steps every path
-// takes, so a row computed alone (row_dot) and inside a chunk (accumulate) gets the same bits.
+// takes, so a row among few (few_dots, block_few.cpp) and inside a chunk (accumulate) gets the same bits.
 template <int64_t F>
 inline __m256 settle(__m256i dots, __m256 scale, __m256 min, const float* xs, const int32_t* xsum,
                      const float* xscaled, __m256 acc) {
@@ -370,106 +370,10 @@ inline void accumulate(const Group& g, const int8_t* q, const float* xs, const i
   _mm256_storeu_ps(acc, a);
 }
 
-inline __m256i signed_dot(__m256i w, const int8_t* q) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  return dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(codes, w));
-}
-
-inline __m256i unsigned_dot(__m256i u, const int8_t* q) {
-  return dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-}
-
 inline uint16_t half_bits(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return bits;
-}
-
-// One output of one row: every group decoded straight into registers (a decode step's single row
-// would spend more on storing and reloading a Group than on its dot products). The same integers and
-// float steps as accumulate's.
-template <int64_t F>
-inline float row_dot(const uint8_t* row, int64_t groups, int64_t nblocks, const Codes& c, int64_t r) {
-  const __m256i low4 = _mm256_set1_epi8(0xF);
-  __m256 acc = _mm256_setzero_ps();
-  const int8_t* q = c.q + r * c.stride;
-  const int64_t b0 = r * c.blocks;
-  for (int64_t gi = 0; gi < groups; ++gi, q += GROUP) {
-    __m256i p[8];
-    __m256 scale, min = _mm256_setzero_ps();
-    if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
-      const int64_t first = gi * 8;
-      const int count = static_cast<int>(std::min<int64_t>(8, nblocks - first));
-      const uint8_t* b = row + first * block_bytes(F);
-      auto dot = [&](int j) {
-        const uint8_t* bj = b + j * block_bytes(F);
-        if constexpr (F == Q8_0) return signed_dot(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 2)), q + j * QB);
-        else if constexpr (F == Q4_0) return unsigned_dot(nibbles16(bj + 2), q + j * QB);
-        else return unsigned_dot(q5_codes(bj), q + j * QB);
-      };
-      __m128i halves = _mm_setzero_si128();
-      if (count == 8) {
-#define KEV_HALF(j) halves = _mm_insert_epi16(halves, half_bits(b + (j) * block_bytes(F)), j); p[j] = dot(j);
-        KEV_HALF(0) KEV_HALF(1) KEV_HALF(2) KEV_HALF(3) KEV_HALF(4) KEV_HALF(5) KEV_HALF(6) KEV_HALF(7)
-      } else {
-        for (int j = 0; j < 8; ++j) p[j] = _mm256_setzero_si256();
-        KEV_HALF(0)
-        if (count > 1) { KEV_HALF(1) }
-        if (count > 2) { KEV_HALF(2) }
-        if (count > 3) { KEV_HALF(3) }
-        if (count > 4) { KEV_HALF(4) }
-        if (count > 5) { KEV_HALF(5) }
-        if (count > 6) { KEV_HALF(6) }
-#undef KEV_HALF
-      }
-      scale = _mm256_cvtph_ps(halves);
-    } else if constexpr (F == Q6_K) {
-      const uint8_t* b = row + gi * block_bytes(F);
-      scale = _mm256_set1_ps(half(b + 208));
-      // the sixteen int8 scales as int16, the even ones in the low half and the odd ones in the high half,
-      // so one vpshufb gives block j's pair (2j for its first 16 codes, 2j + 1 for its second), and vpmaddwd
-      // multiplies by them as it widens: the same integers as the dot product times the scale
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
-      const __m256i bias = _mm256_set1_epi8(32);
-      for (int h = 0; h < 2; ++h) {
-        __m256i codes[4];
-        q6k_codes(b, h, codes);
-        for (int k = 0; k < 4; ++k) {
-          const int j = 4 * h + k;
-          const __m256i w = _mm256_sub_epi8(codes[k], bias);
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * QB));
-          const __m256i lanes = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j)));
-          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), lanes);
-        }
-      }
-    } else {  // Q4_K, Q5_K
-      const uint8_t* b = row + gi * block_bytes(F);
-      __m256i scs, mins;
-      k_scales_mins(b + 4, scs, mins);
-      scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(scs));
-      min = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(mins));
-      const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
-      [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-      for (int k = 0; k < 4; ++k) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
-        __m256i lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
-        if constexpr (F == Q5_K) {
-          const __m256i five = _mm256_set1_epi8(0x10);
-          const int j0 = 2 * k, j1 = 2 * k + 1;
-          lo = _mm256_or_si256(lo, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4), five));
-          up = _mm256_or_si256(up, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4), five));
-        }
-        p[2 * k] = unsigned_dot(lo, q + 2 * k * QB);
-        p[2 * k + 1] = unsigned_dot(up, q + (2 * k + 1) * QB);
-      }
-    }
-    const int64_t b = b0 + gi * 8;
-    acc = settle<F>(sum_each(p), scale, min, c.scale + b, c.sum + b, c.scaled_sum + b, acc);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  return lanes_sum(lanes);
 }
 
 #else

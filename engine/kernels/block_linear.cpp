@@ -15,7 +15,8 @@
 // whatever the number of rows, their order or the thread count (threads split the outputs), so a row
 // alone and inside any batch gives the same bits; the plain build computes the same floats with fmaf.
 //
-// The pieces: block_formats.cpp (formats, decoding, one row), block_woven.cpp (many rows with VNNI), this
+// The pieces: block_formats.cpp (formats, decoding), block_few.cpp (a decode step's few rows), block_woven.cpp
+// (many rows with AVX2), this
 // file (the weight's header, the split into tasks, the bindings); native.py compiles them in that order as one
 // translation unit.
 
@@ -86,11 +87,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
   const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
   const uint8_t* rows_of_part = base + part.offset;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (rows == 1) {
-    for (int64_t o = begin; o < end; ++o)
-      y[part.first_output + o] = static_cast<Y>(row_dot<F>(rows_of_part + o * row_bytes, groups, nblocks, c, 0));
-    return;
-  }
+  if (rows <= few_rows(F)) return few_outputs<F>(c, rows, rows_of_part, part.first_output, k, y, n, begin, end);
 #endif
 #if defined(KEV_WOVEN)
   Woven woven;
@@ -143,8 +140,8 @@ struct Task {
 
 // The next task's weight rows, asked for while this one runs. Many rows read a task's 16 outputs group by
 // group, 16 short runs at a time, which the hardware prefetcher does not follow: a weight coming from memory
-// (a model larger than the caches) was read a line at a time. 1.03-1.32x at 2-24 rows with cold caches; one
-// row reads each output's row straight through and needs no help.
+// (a model larger than the caches) was read a line at a time. 1.03-1.32x at 2-24 rows with cold caches; few
+// rows (few_dots) read each output's row straight through and need no help.
 inline void prefetch(const Task& task, const uint8_t* base, int64_t k) {
   const int64_t row_bytes = k / block_elems(task.part->format) * block_bytes(task.part->format);
   const uint8_t* first = base + task.part->offset + task.begin * row_bytes;
@@ -161,7 +158,7 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
     Group g;
     std::vector<float> acc(TILE * ROW_CHUNK * 8);
     for (int64_t t = t0; t < t1; ++t) {
-      if (rows > 1 && t + 1 < t1) prefetch(tasks[t + 1], base, layout.k);
+      if (t + 1 < t1 && rows > few_rows(tasks[t + 1].part->format)) prefetch(tasks[t + 1], base, layout.k);
       const Part& p = *tasks[t].part;
       auto run = [&](auto format) {
         part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data());
@@ -205,7 +202,8 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
 #if defined(KEV_WOVEN)
   std::vector<int8_t> woven_codes;
   std::vector<int32_t> halves;
-  if (rows > 1) {  // one row takes row_dot, which reads the codes as they are
+  const bool woven = std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return rows > few_rows(p.format); });
+  if (woven) {  // few rows take few_dots, which reads the codes as they are
     const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
     woven_codes.resize(q.size());
     halves.resize(q6k ? rows * 2 * blocks : 0);

@@ -1,13 +1,13 @@
 // block_linear.cpp's many-row paths with AVX2: each weight group woven so one dot product (vpdpbusd with
 // VNNI) adds into eight blocks' lanes, and with AVX-512 four outputs at a time as two 512-bit pairs. Compiled after
-// block_formats.cpp, in one translation unit (native.py).
+// block_formats.cpp and block_few.cpp, in one translation unit (native.py).
 
 namespace block_kernels {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Many rows: the weight group decoded once per chunk of rows and woven (transpose_pieces), then per row eight
-// dot products into one register whose lane j is block j's dot: the integers row_dot and accumulate make,
-// settled by the same float steps, so a row's bits are those of the one-row path. Signed codes go in as
+// dot products into one register whose lane j is block j's dot: the integers few_dots and accumulate make,
+// settled by the same float steps, so a row's bits are those of the few-row path. Signed codes go in as
 // unsigned ones (Q8_0: w + 128, Q6_K: w + 32), taken off exactly with the row's code sums. VNNI's vpdpbusd
 // adds u8 x s8 products in int32; without it, vpmaddubsw's int16 pair sums would saturate on Q8_0's
 // offset codes (255 x 127 x 2), so there Q8_0 is woven as |w| beside w, and each row's codes take w's

@@ -1,7 +1,7 @@
 """Kev's CPU kernels, compiled together into one extension for the host's instruction set.
 
 row_linear.cpp (the row-invariant matmul), block_linear.cpp (the same promise for GGUF's block formats, with
-block_formats.cpp and block_woven.cpp before it),
+block_formats.cpp, block_few.cpp and block_woven.cpp before it),
 paged_decode.cpp (attention read from the block pool in
 place) and layer_stack.cpp (RMSNorm, SwiGLU and the whole layer stack in one call, built from the other
 two) are one translation unit: the layer stack calls the same compiled functions the Python forward calls one by one,
@@ -20,7 +20,7 @@ from engine.kernels import extension
 
 _HERE = pathlib.Path(__file__).parent
 SOURCES = [_HERE / name for name in (
-    "row_linear.cpp", "block_formats.cpp", "block_woven.cpp", "block_linear.cpp", "paged_decode.cpp", "layer_stack.cpp")]
+    "row_linear.cpp", "block_formats.cpp", "block_few.cpp", "block_woven.cpp", "block_linear.cpp", "paged_decode.cpp", "layer_stack.cpp")]
 FUNCTIONS = ["row_linear", "row_linear_isa", "block_linear", "block_rows", "block_linear_isa", "rms_norm",
              "paged_decode", "silu_mul", "layer_stack"]
 

@@ -1,0 +1,163 @@
+// block_linear.cpp's path for a decode step's few rows: each output's weight row decoded once, group by
+// group, straight into registers, and dotted with every row's codes. Storing and reloading a Group, as
+// the many-row paths do, costs more than the dot products it would save at this many rows. Compiled after
+// block_formats.cpp, in one translation unit (native.py).
+
+namespace block_kernels {
+
+// Most rows of a matrix in format f that take few_dots, where the woven paths start to win; measured
+// per format on an AVX2-only AMD EPYC (Qwen2.5-0.5B's matrices, 1-24 rows). Q8_0 woven without VNNI
+// carries w beside |w| and its weaving costs more than four rows' dot products: few_dots to 12 rows.
+// Not measured with VNNI, where Q8_0 weaves as the others do: there it stops at 3, as Q6_K.
+constexpr int64_t few_rows(int64_t f) {
+#if !(defined(__AVX2__) && defined(__FMA__))
+  return 0;  // the plain build: accumulate for every row count
+#elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return f == Q8_0 || f == Q6_K ? 3 : 2;
+#else
+  return f == Q8_0 ? 12 : f == Q6_K ? 3 : 2;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int N>
+using Index = std::integral_constant<int, N>;
+
+// Rows r0 .. r0 + R - 1 against one output's weight row: y[r] for each. The integers and float steps
+// accumulate makes, row by row, so a row's bits do not depend on the others here or on the path taken.
+template <int64_t F, int R>
+inline void few_dots(const uint8_t* row, int64_t groups, int64_t nblocks, const Codes& c, int64_t r0, float* y) {
+  constexpr Traits t = traits(F);
+  const __m256i low4 = _mm256_set1_epi8(0xF);
+  __m256 acc[R];
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), xq[r] = c.q + (r0 + r) * c.stride;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256i p[R][8];
+    // Block j of the group against each row: u its codes as unsigned bytes; a signed format puts w's
+    // signs on the row's codes; Q6_K's vpmaddwd multiplies by the block's two scales (lanes) as it widens.
+    auto dots = [&](int j, __m256i u, __m256i w, __m256i lanes) {
+      for (int r = 0; r < R; ++r) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + j * QB));
+        if constexpr (t.is_signed) x = _mm256_sign_epi8(x, w);
+        if constexpr (F == Q6_K) p[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), lanes);
+        else p[r][j] = dot_u8s8(u, x);
+      }
+    };
+    const __m256i none = _mm256_setzero_si256();
+    __m256 scale, min = _mm256_setzero_ps();
+    if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
+      const int64_t first = gi * 8;
+      const int count = static_cast<int>(std::min<int64_t>(8, nblocks - first));
+      const uint8_t* b = row + first * block_bytes(F);
+      // the eight scales gathered in a register: eight 2-byte stores read back as one 16-byte load stall
+      __m128i halves = _mm_setzero_si128();
+      auto block = [&](auto index) {
+        constexpr int j = decltype(index)::value;
+        const uint8_t* bj = b + j * block_bytes(F);
+        halves = _mm_insert_epi16(halves, half_bits(bj), j);
+        if constexpr (F == Q8_0) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 2));
+          dots(j, _mm256_abs_epi8(w), w, none);
+        } else if constexpr (F == Q4_0) {
+          dots(j, nibbles16(bj + 2), none, none);
+        } else {
+          dots(j, q5_codes(bj), none, none);
+        }
+      };
+      if (count == 8) {
+        block(Index<0>{}), block(Index<1>{}), block(Index<2>{}), block(Index<3>{});
+        block(Index<4>{}), block(Index<5>{}), block(Index<6>{}), block(Index<7>{});
+      } else {  // the row's last group: blocks past its end dot to zero, at scale zero
+        for (auto& of_row : p)
+          for (auto& dot : of_row) dot = none;
+        block(Index<0>{});
+        if (count > 1) block(Index<1>{});
+        if (count > 2) block(Index<2>{});
+        if (count > 3) block(Index<3>{});
+        if (count > 4) block(Index<4>{});
+        if (count > 5) block(Index<5>{});
+        if (count > 6) block(Index<6>{});
+      }
+      scale = _mm256_cvtph_ps(halves);
+    } else if constexpr (F == Q6_K) {
+      const uint8_t* b = row + gi * block_bytes(F);
+      scale = _mm256_set1_ps(half(b + 208));
+      // The sixteen int8 scales as int16, the even ones in the low half and the odd ones in the high half,
+      // so one vpshufb gives block j's pair (2j for its first 16 codes, 2j + 1 for its second).
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+      const __m256i bias = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        __m256i codes[4];
+        q6k_codes(b, h, codes);
+        for (int k = 0; k < 4; ++k) {
+          const int j = 4 * h + k;
+          const __m256i w = _mm256_sub_epi8(codes[k], bias);
+          dots(j, _mm256_abs_epi8(w), w, _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>((2 * j + 1) << 8 | 2 * j))));
+        }
+      }
+    } else {  // Q4_K, Q5_K
+      const uint8_t* b = row + gi * block_bytes(F);
+      __m256i scs, mins;
+      k_scales_mins(b + 4, scs, mins);
+      scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(scs));
+      min = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(mins));
+      const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
+      [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
+        __m256i lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+        if constexpr (F == Q5_K) {  // bit j of qh's byte l is code l's fifth bit in sub-block j
+          const __m256i five = _mm256_set1_epi8(0x10);
+          const int j0 = 2 * k, j1 = 2 * k + 1;
+          lo = _mm256_or_si256(lo, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4), five));
+          up = _mm256_or_si256(up, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4), five));
+        }
+        dots(2 * k, lo, none, none);
+        dots(2 * k + 1, up, none, none);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t b = (r0 + r) * c.blocks + gi * 8;
+      acc[r] = settle<F>(sum_each(p[r]), scale, min, c.scale + b, c.sum + b, c.scaled_sum + b, acc[r]);
+      xq[r] += GROUP;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    y[r] = lanes_sum(lanes);
+  }
+}
+
+// Outputs [begin, end) of one part for every row (at most few_rows(F) of them), four rows at a time.
+template <int64_t F, typename Y>
+void few_outputs(const Codes& c, int64_t rows, const uint8_t* rows_of_part, int64_t first_output, int64_t k, Y* y,
+                 int64_t n, int64_t begin, int64_t end) {
+  const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
+  float out[4];
+  if (rows == 1) {
+    for (int64_t o = begin; o < end; ++o) {
+      few_dots<F, 1>(rows_of_part + o * row_bytes, groups, nblocks, c, 0, out);
+      y[first_output + o] = static_cast<Y>(out[0]);
+    }
+    return;
+  }
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* w = rows_of_part + o * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t count = std::min<int64_t>(4, rows - r0);
+      switch (count) {
+        case 1: few_dots<F, 1>(w, groups, nblocks, c, r0, out); break;
+        case 2: few_dots<F, 2>(w, groups, nblocks, c, r0, out); break;
+        case 3: few_dots<F, 3>(w, groups, nblocks, c, r0, out); break;
+        default: few_dots<F, 4>(w, groups, nblocks, c, r0, out); break;
+      }
+      for (int64_t r = 0; r < count; ++r) y[(r0 + r) * n + first_output + o] = static_cast<Y>(out[r]);
+    }
+  }
+}
+#endif
+
+}  // namespace block_kernels
