@@ -5,17 +5,21 @@
 
 namespace block_kernels {
 
-// Most rows of a matrix in format f that take few_dots, where the woven paths start to win; measured
-// per format on an AVX2-only AMD EPYC (Qwen2.5-0.5B's matrices, 1-24 rows). Q8_0 woven without VNNI
-// carries w beside |w| and its weaving costs more than four rows' dot products: few_dots to 12 rows.
-// Not measured with VNNI, where Q8_0 weaves as the others do: there it stops at 3, as Q6_K.
-constexpr int64_t few_rows(int64_t f) {
+// Most rows of a matrix in format f, of `bytes` bytes, that take few_dots: where the woven paths start to
+// win, measured per format on an AVX2-only AMD EPYC (Qwen2.5-0.5B's matrices and SmolLM2-shaped Q8_0 ones,
+// 1-24 rows). Without VNNI, Q8_0 weaves |w| beside w, which costs more than four rows' dot products: on a
+// matrix larger than the caches (Qwen's 145 MB head) few_dots won to 12 rows (1.2-1.9x at 4-12), on one
+// that fits them (SmolLM2's, 0.2-1.8 MB) to 4. Not measured with VNNI, where Q8_0 weaves as the others
+// do: there it stops at 3, as Q6_K. Every path gives a row the same bits, so the choice is speed alone.
+constexpr int64_t LARGE_BYTES = int64_t(32) << 20;
+
+constexpr int64_t few_rows(int64_t f, int64_t bytes) {
 #if !(defined(__AVX2__) && defined(__FMA__))
   return 0;  // the plain build: accumulate for every row count
 #elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   return f == Q8_0 || f == Q6_K ? 3 : 2;
 #else
-  return f == Q8_0 ? 12 : f == Q6_K ? 3 : 2;
+  return f == Q8_0 ? (bytes > LARGE_BYTES ? 12 : 4) : f == Q6_K ? 3 : 2;
 #endif
 }
 
@@ -131,7 +135,7 @@ inline void few_dots(const uint8_t* row, int64_t groups, int64_t nblocks, const 
   }
 }
 
-// Outputs [begin, end) of one part for every row (at most few_rows(F) of them), four rows at a time.
+// Outputs [begin, end) of one part for every row (at most few_rows of them), four rows at a time.
 template <int64_t F, typename Y>
 void few_outputs(const Codes& c, int64_t rows, const uint8_t* rows_of_part, int64_t first_output, int64_t k, Y* y,
                  int64_t n, int64_t begin, int64_t end) {
