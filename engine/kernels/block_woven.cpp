@@ -95,9 +95,15 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
   __m256i u[8];
   for (int piece = 0; piece < 8; ++piece) u[piece] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + piece * 32));
   const __m256 scale = _mm256_load_ps(g.scale), min = _mm256_load_ps(g.min);
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t row = r0 + r, at = row * c.blocks + gi * 8;
-    const int8_t* xi = c.qi + row * c.stride + gi * GROUP;
+  // the rows' fields walked by pointer, kept in registers: acc's float stores may alias c's, so each row
+  // would otherwise reload them and multiply its offsets again
+  const int64_t blocks = c.blocks, stride = c.stride;
+  const int8_t* xi = c.qi + r0 * stride + gi * GROUP;
+  const float* xs = c.scale + r0 * blocks + gi * 8;
+  const int32_t* xsum = c.sum + r0 * blocks + gi * 8;
+  const float* xscaled = c.scaled_sum + r0 * blocks + gi * 8;
+  const int32_t* halves = c.halves + r0 * 2 * blocks + gi * 8;
+  for (int64_t r = 0; r < count; ++r, xi += stride, xs += blocks, xsum += blocks, xscaled += blocks, halves += 2 * blocks) {
     __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
 #if defined(KEV_VNNI)
     for (int piece = 0; piece < 8; ++piece) {
@@ -122,17 +128,15 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
     }
 #endif
     if constexpr (F == Q8_0 && !SIGNED_WEAVE)
-      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sum + at)), 7));
+      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum)), 7));
     if constexpr (F == Q6_K) {
-      const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
-      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
-      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c.blocks));
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + blocks));
       first = _mm256_add_epi32(
           _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
           _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
     }
-    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, c.scale + at, c.sum + at, c.scaled_sum + at,
-                                            _mm256_loadu_ps(acc + r * 8)));
+    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, xs, xsum, xscaled, _mm256_loadu_ps(acc + r * 8)));
   }
 }
 
