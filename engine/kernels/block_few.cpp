@@ -32,7 +32,6 @@ using Index = std::integral_constant<int, N>;
 template <int64_t F, int R>
 inline void few_dots(const uint8_t* row, int64_t groups, int64_t nblocks, const Codes& c, int64_t r0, float* y) {
   constexpr Traits t = traits(F);
-  const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[R];
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), xq[r] = c.q + (r0 + r) * c.stride;
@@ -110,14 +109,8 @@ inline void few_dots(const uint8_t* row, int64_t groups, int64_t nblocks, const 
       const uint8_t* qs = b + (F == Q5_K ? 48 : 16);
       [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       for (int k = 0; k < 4; ++k) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
-        __m256i lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
-        if constexpr (F == Q5_K) {  // bit j of qh's byte l is code l's fifth bit in sub-block j
-          const __m256i five = _mm256_set1_epi8(0x10);
-          const int j0 = 2 * k, j1 = 2 * k + 1;
-          lo = _mm256_or_si256(lo, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4), five));
-          up = _mm256_or_si256(up, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4), five));
-        }
+        __m256i lo, up;
+        k_codes<F>(qs, qh, k, lo, up);
         dots(2 * k, lo, none, none);
         dots(2 * k + 1, up, none, none);
       }

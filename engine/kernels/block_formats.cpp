@@ -265,9 +265,22 @@ inline void k_scales_mins(const uint8_t* s, __m256i& scales, __m256i& mins) {
   mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(static_cast<uint64_t>(m_hi) << 32 | m_lo)));
 }
 
+// Q4_K and Q5_K: sub-blocks 2c and 2c + 1's codes, the low and the high nibbles of the 32 bytes at qs + 32c;
+// Q5_K's fifth bits come from qh, where bit j of byte l belongs to code l of sub-block j.
+template <int64_t F>
+inline void k_codes(const uint8_t* qs, __m256i qh, int c, __m256i& lo, __m256i& up) {
+  const __m256i low4 = _mm256_set1_epi8(0xF), x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+  lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+  if constexpr (F == Q5_K) {
+    const __m256i five = _mm256_set1_epi8(0x10);
+    const int j0 = 2 * c, j1 = 2 * c + 1;
+    lo = _mm256_or_si256(lo, _mm256_and_si256(j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4), five));
+    up = _mm256_or_si256(up, _mm256_and_si256(j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4), five));
+  }
+}
+
 template <int64_t F>
 inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
-  const __m256i low4 = _mm256_set1_epi8(0xF);
   if constexpr (F == Q8_0 || F == Q4_0 || F == Q5_0) {
     const int64_t first = g * 8;
     out.count = static_cast<int>(std::min<int64_t>(8, nblocks - first));
@@ -318,16 +331,8 @@ inline void decode(const uint8_t* row, int64_t g, int64_t nblocks, Group& out) {
     _mm256_store_ps(out.min, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(mins)));
     [[maybe_unused]] const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int c = 0; c < 4; ++c) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-      __m256i lo = _mm256_and_si256(x, low4), up = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
-      if constexpr (F == Q5_K) {  // bit j of qh's byte l is code l's fifth bit in sub-block j
-        const __m256i five = _mm256_set1_epi8(0x10);
-        const int j0 = 2 * c, j1 = 2 * c + 1;
-        const __m256i b0 = j0 <= 4 ? _mm256_slli_epi16(qh, 4 - j0) : _mm256_srli_epi16(qh, j0 - 4);
-        const __m256i b1 = j1 <= 4 ? _mm256_slli_epi16(qh, 4 - j1) : _mm256_srli_epi16(qh, j1 - 4);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(b0, five));
-        up = _mm256_or_si256(up, _mm256_and_si256(b1, five));
-      }
+      __m256i lo, up;
+      k_codes<F>(qs, qh, c, lo, up);
       put(out.u[2 * c], lo);
       put(out.u[2 * c + 1], up);
     }
