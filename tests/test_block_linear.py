@@ -110,7 +110,7 @@ def test_row_alone_equals_row_in_any_batch(dtype):
             torch.set_num_threads(count)
             for weight in weights:
                 alone = weight.linear(probe)[0]
-                for rows in (2, 3, 5, 13, 64, 65, 300, 2048):  # few_dots to 2, 3 or 12 rows by format, woven beyond
+                for rows in (2, 3, 5, 13, 64, 65, 300, 2048):  # few_dots to 2-4 rows by format here, woven beyond
                     batch = torch.randn(rows, 512, generator=generator).to(dtype)
                     places = sorted({0, rows // 2, rows - 1})
                     batch[places] = probe

@@ -58,8 +58,9 @@ struct Layout {
   std::vector<Part> parts;
 };
 
-inline int64_t part_bytes(const Part& part, int64_t k) {
-  return part.rows * (k / block_elems(part.format)) * block_bytes(part.format);
+// Whether this many rows take few_dots on this part (block_few.cpp), not the woven paths.
+inline bool takes_few(const Part& part, int64_t k, int64_t rows) {
+  return rows <= few_rows(part.format, part.rows * (k / block_elems(part.format)) * block_bytes(part.format));
 }
 
 inline Layout read_header(const torch::Tensor& packed) {
@@ -91,7 +92,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
   const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
   const uint8_t* rows_of_part = base + part.offset;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (rows <= few_rows(F, part_bytes(part, k))) return few_outputs<F>(c, rows, rows_of_part, part.first_output, k, y, n, begin, end);
+  if (takes_few(part, k, rows)) return few_outputs<F>(c, rows, rows_of_part, part.first_output, k, y, n, begin, end);
 #endif
 #if defined(KEV_WOVEN)
   Woven woven;
@@ -162,7 +163,7 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
     Group g;
     std::vector<float> acc(TILE * ROW_CHUNK * 8);
     for (int64_t t = t0; t < t1; ++t) {
-      if (t + 1 < t1 && rows > few_rows(tasks[t + 1].part->format, part_bytes(*tasks[t + 1].part, layout.k))) prefetch(tasks[t + 1], base, layout.k);
+      if (t + 1 < t1 && !takes_few(*tasks[t + 1].part, layout.k, rows)) prefetch(tasks[t + 1], base, layout.k);
       const Part& p = *tasks[t].part;
       auto run = [&](auto format) {
         part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data());
@@ -206,7 +207,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
 #if defined(KEV_WOVEN)
   std::vector<int8_t> woven_codes;
   std::vector<int32_t> halves;
-  const bool woven = std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return rows > few_rows(p.format, part_bytes(p, k)); });
+  const bool woven = std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return !takes_few(p, k, rows); });
   if (woven) {  // few rows take few_dots, which reads the codes as they are
     const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
     woven_codes.resize(q.size());

@@ -102,8 +102,8 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
   const float* xs = c.scale + r0 * blocks + gi * 8;
   const int32_t* xsum = c.sum + r0 * blocks + gi * 8;
   const float* xscaled = c.scaled_sum + r0 * blocks + gi * 8;
-  const int32_t* halves = c.halves + r0 * 2 * blocks + gi * 8;
-  for (int64_t r = 0; r < count; ++r, xi += stride, xs += blocks, xsum += blocks, xscaled += blocks, halves += 2 * blocks) {
+  const int32_t* halves = F == Q6_K ? c.halves + r0 * 2 * blocks + gi * 8 : nullptr;  // Q6_K's alone
+  for (int64_t r = 0; r < count; ++r, xi += stride, xs += blocks, xsum += blocks, xscaled += blocks) {
     __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
 #if defined(KEV_VNNI)
     for (int piece = 0; piece < 8; ++piece) {
@@ -135,6 +135,7 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
       first = _mm256_add_epi32(
           _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
           _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
+      halves += 2 * blocks;
     }
     _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, xs, xsum, xscaled, _mm256_loadu_ps(acc + r * 8)));
   }
