@@ -53,8 +53,20 @@ struct Codes {
   int32_t* sum;
   float* scaled_sum;
   int64_t stride, blocks;  // q's row stride; blocks per row, padded to whole groups
-  int8_t* qi = nullptr;      // many rows, VNNI: each group's codes woven (block_woven.cpp: weave_codes)
-  int32_t* halves = nullptr;  // many rows, VNNI: per block, the sums of its two 16-code halves (Q6_K)
+  const struct RowGroup* woven = nullptr;  // many rows: [group][row] records (below)
+  int64_t rows = 0;
+};
+
+// Many rows (block_woven.cpp): one row's codes for one group, woven as weave_codes lays them out, with the
+// group's eight block scales, code sums, scaled sums and (Q6_K) the sums of each block's two 16-code
+// halves. A group's records for every row lie one after another, so a chunk of rows reads them straight
+// through: read at the row stride, a chunk's codes for one group fell into a quarter of L1's sets.
+struct RowGroup {
+  alignas(32) int8_t codes[GROUP];
+  float scale[8];
+  int32_t sum[8];
+  float scaled_sum[8];
+  int32_t halves[2][8];
 };
 
 template <typename X>

@@ -104,7 +104,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
     const int64_t count = std::min(size, rows - r0);
     int64_t paired = 0;  // outputs begin .. begin+paired-1 take four_outputs
 #if defined(KEV_PAIRS)
-    if (c.qi != nullptr && count >= PAIR_MIN_ROWS) paired = (end - begin) / 4 * 4;
+    if (c.woven != nullptr && count >= PAIR_MIN_ROWS) paired = (end - begin) / 4 * 4;
 #endif
     std::fill(acc, acc + (end - begin) * count * 8, 0.f);  // acc: [output][row][8], a quad [row][pair][16]
     for (int64_t gi = 0; gi < groups; ++gi) {
@@ -116,7 +116,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
         float* out = acc + (o - begin) * count * 8;
         decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
 #if defined(KEV_WOVEN)
-        if (c.qi != nullptr) {
+        if (c.woven != nullptr) {
           weave<F>(g, woven);
           woven_rows<F>(woven, g, c, r0, count, gi, out);
           continue;
@@ -205,26 +205,16 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
   });
   Codes c{q.data(), scale.data(), sum.data(), scaled.data(), blocks * QB, blocks};
 #if defined(KEV_WOVEN)
-  std::vector<int8_t> woven_codes;
-  std::vector<int32_t> halves;
-  const bool woven = std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return !takes_few(p, k, rows); });
-  if (woven) {  // few rows take few_dots, which reads the codes as they are
-    const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
-    woven_codes.resize(q.size());
-    halves.resize(q6k ? rows * 2 * blocks : 0);
+  std::vector<RowGroup> woven;
+  if (std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return !takes_few(p, k, rows); })) {
+    const int64_t groups = blocks / 8;  // few rows take few_dots, which reads the codes as they are
+    woven.resize(groups * rows);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int8_t* codes = q.data() + r * blocks * QB;
-        for (int64_t gi = 0; gi < blocks / 8; ++gi)
-          weave_codes(codes + gi * GROUP, woven_codes.data() + r * blocks * QB + gi * GROUP);
-        for (int64_t b = 0; q6k && b < blocks; ++b) {
-          int32_t first = 0, second = 0;
-          for (int i = 0; i < QB / 2; ++i) first += codes[b * QB + i], second += codes[b * QB + QB / 2 + i];
-          halves[r * 2 * blocks + b] = first, halves[r * 2 * blocks + blocks + b] = second;
-        }
-      }
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t gi = 0; gi < groups; ++gi)
+          fill_row_group(c, r, gi, woven[gi * rows + r]);
     });
-    c.qi = woven_codes.data(), c.halves = halves.data();
+    c.woven = woven.data(), c.rows = rows;
   }
 #endif
   const auto* base = packed.data_ptr<uint8_t>();

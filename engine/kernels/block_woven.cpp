@@ -63,6 +63,21 @@ inline void weave_codes(const int8_t* group, int8_t* out) {
   for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 32), r[c]);
 }
 
+// Row r's record for group gi (RowGroup): its codes woven, its blocks' scales and sums copied beside them.
+inline void fill_row_group(const Codes& c, int64_t r, int64_t gi, RowGroup& out) {
+  const int8_t* codes = c.q + r * c.stride + gi * GROUP;
+  weave_codes(codes, out.codes);
+  const int64_t at = r * c.blocks + gi * 8;
+  std::copy(c.scale + at, c.scale + at + 8, out.scale);
+  std::copy(c.sum + at, c.sum + at + 8, out.sum);
+  std::copy(c.scaled_sum + at, c.scaled_sum + at + 8, out.scaled_sum);
+  for (int j = 0; j < 8; ++j) {  // Q6_K's: its integer scales cover 16 codes each
+    int32_t first = 0, second = 0;
+    for (int i = 0; i < QB / 2; ++i) first += codes[j * QB + i], second += codes[j * QB + QB / 2 + i];
+    out.halves[0][j] = first, out.halves[1][j] = second;
+  }
+}
+
 template <int64_t F>
 inline void weave(const Group& g, Woven& out) {
   __m256i u[8];
@@ -97,13 +112,9 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
   const __m256 scale = _mm256_load_ps(g.scale), min = _mm256_load_ps(g.min);
   // the rows' fields walked by pointer, kept in registers: acc's float stores may alias c's, so each row
   // would otherwise reload them and multiply its offsets again
-  const int64_t blocks = c.blocks, stride = c.stride;
-  const int8_t* xi = c.qi + r0 * stride + gi * GROUP;
-  const float* xs = c.scale + r0 * blocks + gi * 8;
-  const int32_t* xsum = c.sum + r0 * blocks + gi * 8;
-  const float* xscaled = c.scaled_sum + r0 * blocks + gi * 8;
-  const int32_t* halves = F == Q6_K ? c.halves + r0 * 2 * blocks + gi * 8 : nullptr;  // Q6_K's alone
-  for (int64_t r = 0; r < count; ++r, xi += stride, xs += blocks, xsum += blocks, xscaled += blocks) {
+  const RowGroup* x = c.woven + gi * c.rows + r0;
+  for (int64_t r = 0; r < count; ++r, ++x) {
+    const int8_t* xi = x->codes;
     __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
 #if defined(KEV_VNNI)
     for (int piece = 0; piece < 8; ++piece) {
@@ -128,16 +139,15 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
     }
 #endif
     if constexpr (F == Q8_0 && !SIGNED_WEAVE)
-      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum)), 7));
+      first = _mm256_sub_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->sum)), 7));
     if constexpr (F == Q6_K) {
-      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves));
-      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + blocks));
+      const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->halves[0]));
+      const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->halves[1]));
       first = _mm256_add_epi32(
           _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
           _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
-      halves += 2 * blocks;
     }
-    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, xs, xsum, xscaled, _mm256_loadu_ps(acc + r * 8)));
+    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, x->scale, x->sum, x->scaled_sum, _mm256_loadu_ps(acc + r * 8)));
   }
 }
 
@@ -173,34 +183,32 @@ template <int64_t F, int P, int R>
 inline void pair_rows(const Pair* pairs, const Codes& c, int64_t r0, int64_t r, int64_t gi, float* const* acc) {
   constexpr Traits t = traits(F);
   __m512i first[R][P], second[R][P];
-  const int8_t* xi[R];
+  const RowGroup* x[R];
   for (int i = 0; i < R; ++i) {
-    xi[i] = c.qi + (r0 + r + i) * c.stride + gi * GROUP;
+    x[i] = c.woven + gi * c.rows + r0 + r + i;
     for (int k = 0; k < P; ++k) first[i][k] = _mm512_setzero_si512(), second[i][k] = _mm512_setzero_si512();
   }
   for (int piece = 0; piece < 8; ++piece)
     for (int i = 0; i < R; ++i) {
-      const __m512i x = both(xi[i] + piece * 32);
+      const __m512i codes = both(x[i]->codes + piece * 32);
       for (int k = 0; k < P; ++k) {
-        if (F == Q6_K && piece >= 4) second[i][k] = _mm512_dpbusd_epi32(second[i][k], pairs[k].u[piece], x);
-        else first[i][k] = _mm512_dpbusd_epi32(first[i][k], pairs[k].u[piece], x);
+        if (F == Q6_K && piece >= 4) second[i][k] = _mm512_dpbusd_epi32(second[i][k], pairs[k].u[piece], codes);
+        else first[i][k] = _mm512_dpbusd_epi32(first[i][k], pairs[k].u[piece], codes);
       }
     }
   for (int i = 0; i < R; ++i) {
-    const int64_t row = r0 + r + i, at = row * c.blocks + gi * 8;
     // loaded once for the P pairs: the compiler may not hoist them past the stores into acc
-    const __m512 xs = both_ps(c.scale + at);
+    const __m512 xs = both_ps(x[i]->scale);
     __m512i sums;
-    if constexpr (F == Q8_0 || t.offset != 0) sums = both(c.sum + at);
+    if constexpr (F == Q8_0 || t.offset != 0) sums = both(x[i]->sum);
     __m512 scaled_sums;
-    if constexpr (t.has_min) scaled_sums = both_ps(c.scaled_sum + at);
+    if constexpr (t.has_min) scaled_sums = both_ps(x[i]->scaled_sum);
     for (int k = 0; k < P; ++k) {
       __m512i dots = first[i][k];
       if constexpr (F == Q8_0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(sums, 7));
       if constexpr (F == Q6_K) {
-        const int32_t* h = c.halves + row * 2 * c.blocks + gi * 8;
-        dots = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dots, _mm512_slli_epi32(both(h), 5)), pairs[k].lo),
-                                _mm512_mullo_epi32(_mm512_sub_epi32(second[i][k], _mm512_slli_epi32(both(h + c.blocks), 5)), pairs[k].hi));
+        dots = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dots, _mm512_slli_epi32(both(x[i]->halves[0]), 5)), pairs[k].lo),
+                                _mm512_mullo_epi32(_mm512_sub_epi32(second[i][k], _mm512_slli_epi32(both(x[i]->halves[1]), 5)), pairs[k].hi));
       }
       if constexpr (t.offset != 0) dots = _mm512_sub_epi32(dots, _mm512_slli_epi32(sums, t.offset == 8 ? 3 : 4));
       float* a = acc[k] + (r + i) * 32;
