@@ -145,7 +145,8 @@ def gap_line(summary: dict) -> str | None:
 
 
 def ratios(summaries: list[dict], base: str, against: str) -> str | None:
-    """`base` over `against`: goodput ratio and how many times lower e2e p50 / TTFT p99 are."""
+    """`base` over `against`: goodput ratio and how many times lower TTFT p50 / e2e p50 / TTFT p99 are
+    (below 1: higher)."""
     by_name = {s["system"]: s for s in summaries}
     if base not in by_name or against not in by_name:
         return None
@@ -153,9 +154,7 @@ def ratios(summaries: list[dict], base: str, against: str) -> str | None:
     parts = []
     if b["goodput_tps"]:
         parts.append(f"goodput {a['goodput_tps'] / b['goodput_tps']:.2f}x")
-    if a["ttft_p50_s"] and b["ttft_p50_s"]:
-        parts.append(f"TTFT p50 {a['ttft_p50_s'] / b['ttft_p50_s']:.2f}x")
-    for key, label in (("e2e_p50_s", "e2e p50"), ("ttft_p99_s", "TTFT p99")):
+    for key, label in (("ttft_p50_s", "TTFT p50"), ("e2e_p50_s", "e2e p50"), ("ttft_p99_s", "TTFT p99")):
         if a[key] and b[key]:
             parts.append(f"{label} {b[key] / a[key]:.2f}x lower")
     return f"{base} vs {against}: " + ", ".join(parts)
