@@ -27,8 +27,8 @@ constexpr int64_t HEADER_BYTES = 256, MAX_PARTS = 9;
 constexpr int64_t TILE = 16;      // outputs per task
 // Most rows whose accumulators live together while a weight group is decoded. With AVX-512's pairs, 192 (over
 // 128: 1.02-1.09x at 135-176 rows, the stall-free steps; the same beyond). Without, each output rereads the
-// chunk's codes for the group (256 bytes a row), which at 64 rows stay in a 32 KiB L1: on an AVX2-only AMD
-// EPYC 1.03-1.17x over 192 at 135-512 rows (96 and 128 lost on Q6_K).
+// chunk's records for the group (RowGroup, 416 bytes a row), which at 64 rows fit a 32 KiB L1: on an AVX2-only
+// AMD EPYC 1.03-1.17x over 192 at 135-512 rows (96 and 128 lost on Q6_K); with the records 32, 48 and 96 were no faster.
 #if defined(KEV_PAIRS)
 constexpr int64_t ROW_CHUNK = 192;
 #else
@@ -83,7 +83,7 @@ inline Layout read_header(const torch::Tensor& packed) {
 }
 
 // Outputs [begin, end) of one part against every row, a chunk of rows at a time, group by group: each
-// weight group is decoded once per chunk, and the chunk's codes for that group (count x 256 bytes) stay
+// weight group is decoded once per chunk, and the chunk's records for that group (count x 416 bytes) stay
 // in L1 while the task's outputs use them. Every output keeps its own chains in acc: the order of a
 // row's sums is fixed by K alone, whichever path (pairs, woven, accumulate) a chunk takes.
 template <int64_t F, typename Y>
