@@ -277,6 +277,86 @@ static inline void score_keys_bf16(const c10::BFloat16* query, const c10::BFloat
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define KEV_AVX2_ATTENTION 1
+// CPUs with AVX2 but not AVX-512 (the generic loops below folded each key's 16 lanes on its own, a chain
+// of shuffles per key and head, and kept a head's value sums on the stack).
+
+// One key's 8 lane products of q . k, summed over D / 8 vectors in order.
+template <int D>
+static inline __m256 key_dot8(const __m256 (&q)[D / 8], const float* key) {
+  __m256 lanes = _mm256_mul_ps(q[0], _mm256_loadu_ps(key));
+  for (int c = 1; c < D / 8; ++c) lanes = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(key + c * 8), lanes);
+  return lanes;
+}
+
+// Element i: v[i]'s 8 lanes added up, ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) for every key
+// wherever it sits among the 8, so a key's score never depends on its neighbours (zeros past a block's end).
+static inline __m256 lane_sums8(const __m256 (&v)[8]) {
+  __m256 pair[4];  // keys 2i and 2i + 1: lanes l + (l + 4), one key per 128-bit half
+  for (int i = 0; i < 4; ++i)
+    pair[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                            _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  // adjacent lanes twice: halves hold keys (0, 2, 4, 6) and (1, 3, 5, 7), then back into key order
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(pair[0], pair[1]), _mm256_hadd_ps(pair[2], pair[3]));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The first n (1..8) elements of v to out.
+static inline void store_first(float* out, __m256 v, int64_t n) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_ps(out, mask, v);
+}
+
+// Scores of up to 16 keys for G query heads, each key widened once for the G of them; a head's D query
+// values stay in registers across the keys.
+template <typename T, int D, int G>
+static inline void score_keys8(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
+                               float* out, int64_t len) {
+  AsFloat<T, D> widen[16];
+  const float* key[16];
+  for (int64_t j = 0; j < count; ++j) {
+    fetch_row<T, D>(next ? next + j * stride : nullptr);
+    key[j] = widen[j](rows + j * stride);
+  }
+  for (int g = 0; g < G; ++g) {
+    __m256 qv[D / 8];
+    for (int c = 0; c < D / 8; ++c) qv[c] = _mm256_loadu_ps(query + g * D + c * 8);
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+      __m256 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = j0 + i < count ? key_dot8<D>(qv, key[j0 + i]) : _mm256_setzero_ps();
+      store_first(out + g * len + j0, lane_sums8(v), std::min<int64_t>(8, count - j0));
+    }
+  }
+}
+
+// acc[g * D ..] += weight[g * len + t0 + j] * value row j, rows in order, one fma per sum and row; a head's
+// D sums stay in registers over up to 16 rows, widened once for the G heads.
+template <typename T, int D, int G>
+static inline void add_values8(const T* rows, const T* next, int64_t stride, int64_t count, const float* weight,
+                               int64_t len, int64_t t0, float* acc) {
+  AsFloat<T, D> widen[16];
+  const float* value[16];
+  for (int64_t j0 = 0; j0 < count; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, count - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      fetch_row<T, D>(next ? next + (j0 + j) * stride : nullptr);
+      value[j] = widen[j](rows + (j0 + j) * stride);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m256 sum[D / 8];
+      for (int c = 0; c < D / 8; ++c) sum[c] = _mm256_loadu_ps(acc + g * D + c * 8);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 p = _mm256_set1_ps(weight[g * len + t0 + j0 + j]);
+        for (int c = 0; c < D / 8; ++c) sum[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value[j] + c * 8), sum[c]);
+      }
+      for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(acc + g * D + c * 8, sum[c]);
+    }
+  }
+}
+#endif
+
 // Scores of up to 16 consecutive keys (rows `stride` apart) for G query heads: out[g * len + j].
 template <typename T, int D, int G, typename Widen>
 static inline void score_keys(const float* query, const T* rows, const T* next, int64_t stride, int64_t count,
@@ -306,6 +386,11 @@ static inline void score_keys(const float* query, const T* rows, const T* next, 
       }
       _mm512_mask_storeu_ps(out + g * len, static_cast<__mmask16>((1u << count) - 1), lane_sums16(v));
     }
+    return;
+  }
+#elif defined(KEV_AVX2_ATTENTION)
+  if constexpr (D % 8 == 0) {
+    score_keys8<T, D, G>(query, rows, next, stride, count, out, len);
     return;
   }
 #endif
@@ -394,6 +479,12 @@ static void decode_task(const T* q, const C* k, const C* v, const at::Half* k_sc
       if constexpr (D % 16 == 0) {
         add_values<C, D, G>(rows + h * D, next ? next + h * D : nullptr, stride, count, scores + h * G * len, len,
                             t0, a);
+        continue;
+      }
+#elif defined(KEV_AVX2_ATTENTION)
+      if constexpr (D % 8 == 0) {
+        add_values8<C, D, G>(rows + h * D, next ? next + h * D : nullptr, stride, count, scores + h * G * len, len,
+                             t0, a);
         continue;
       }
 #endif
