@@ -1,5 +1,7 @@
 """A streamed question redelivered to a second worker (issue 39, finding 7): the gateway relays one
-attempt's deltas and never splices two answers.
+attempt's deltas and never splices two answers. And an answer that lands before its last deltas (with
+exactly_once delivery the answer is in the worker's transaction, its deltas outside it): the stream still
+gives every token once, with its logprob.
 
 A live gateway on the embedded Tansu broker with no worker; the test plays the workers, producing
 deltas (each stamped with its worker's attempt) and the final answer to the gateway's own reply
@@ -21,7 +23,7 @@ from gateway_fixtures import API_KEY, LiveStack, live_stack, stack_config  # noq
 from kafka_fixtures import kafka_config, produce  # noqa: E402
 
 from consumers import create_topics  # noqa: E402
-from schemas import AnswerDelta, AnswerEvent, Audit, Usage, encode  # noqa: E402
+from schemas import AnswerDelta, AnswerEvent, Audit, TokenLogprob, Usage, encode  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
 pytestmark = pytest.mark.kafka
@@ -53,9 +55,11 @@ def final(question_id: str, attempt: str, text: str) -> bytes:
     return encode(AnswerEvent(question_id, text=text, usage=Usage(5, 6), audit=Audit(worker="w2", attempt=attempt)))
 
 
-def stream_with_replies(stack: LiveStack, replies, *, path: str = "/v1/chat/completions") -> tuple[str, list]:
+def stream_with_replies(stack: LiveStack, replies, *, path: str = "/v1/chat/completions",
+                        extra: dict | None = None) -> tuple[str, list]:
     """Open a stream, play the workers' replies to the gateway's reply topic, return (its id, its events)."""
-    body = {"model": MODEL, "stream": True, **({"messages": SEA} if "chat" in path else {"prompt": "The sea"})}
+    body = {"model": MODEL, "stream": True, **({"messages": SEA} if "chat" in path else {"prompt": "The sea"}),
+            **(extra or {})}
     kafka = stack.cfg.kafka
     with httpx.Client(timeout=60) as client, client.stream(
             "POST", stack.url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"}) as response:
@@ -111,6 +115,27 @@ def test_a_restart_that_extends_what_was_sent_finishes_normally(gateway):
     assert text_of(events) == "Sure! Paris has a river."
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
     assert not any("error" in event for event in events)
+
+
+def test_deltas_that_land_after_their_answer_still_give_every_token_and_its_logprob(gateway):
+    """Two deltas, the answer, then the last three deltas: the client gets the whole text and each token's
+    logprob once, the last three from the answer."""
+    tokens = ["The", " sea", " is", " wide", "."]
+    scored = tuple(TokenLogprob(token, i, -0.5 - i) for i, token in enumerate(tokens))
+
+    def replies(qid: str) -> list[bytes]:
+        pieces = [AnswerDelta(qid, seq, tokens[seq], done=seq == 4, attempt="w1-a", logprobs=(scored[seq],))
+                  for seq in range(5)]
+        answer = AnswerEvent(qid, text="".join(tokens), usage=Usage(5, 5), audit=Audit(worker="w1", attempt="w1-a"),
+                             logprobs=scored)
+        return [*map(encode, pieces[:2]), encode(answer), *map(encode, pieces[2:])]
+
+    _, events = stream_with_replies(gateway, replies, extra={"logprobs": True})
+    assert text_of(events) == "The sea is wide."
+    sent = [(entry["token"], entry["logprob"]) for event in events for choice in event.get("choices", [])
+            if choice.get("logprobs") for entry in choice["logprobs"]["content"]]
+    assert sent == [(entry.token, entry.logprob) for entry in scored]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_completions_stream_that_diverges_ends_with_the_error_too(gateway):

@@ -2,8 +2,10 @@
 each to the request waiting for that question_id.
 
 Workers send a question's deltas and its answer to the question's `reply_topic` on one partition (the
-question_id's, or with exactly_once delivery its questions partition's), so they arrive in order:
-deltas first, the answer last. The topic is made for this instance at start
+question_id's, or with exactly_once delivery its questions partition's). One producer sends both with
+at_least_once delivery, so the deltas arrive first and the answer last; with exactly_once the answer goes
+in the worker's transaction and the deltas outside it, so a sample's last deltas can land after its
+answer, and the stream takes the rest (text and logprobs) from the answer (streaming.py). The topic is made for this instance at start
 (`kev.replies.<instance id>`) and read from its first record, so nothing sent before the consumer
 caught up is missed. It is read read_committed: with `kafka.delivery: exactly_once` an answer shows
 once its worker's transaction commits, and never if it aborts (the worker died; the question's next

@@ -118,6 +118,7 @@ class AnswerStream:
             if (first := self.chunks.first(index)) is not None:
                 await self._send(send, sse(first))
         sent: dict[int, list[str]] = {}  # sample -> its text sent
+        scored: dict[int, int] = {}  # sample -> how many of its tokens' logprobs were sent
         answers = 0
         with anyio.move_on_after(self.wait_s):
             async for event in _chained(peeked, events):
@@ -126,10 +127,12 @@ class AnswerStream:
                         if not sent:
                             self.gateway.metrics.first_byte.observe(time.perf_counter() - self.started)
                         sent.setdefault(event.index, []).append(event.text)
+                        scored[event.index] = scored.get(event.index, 0) + len(event.logprobs or ())
                         if chunks := self._text_chunks(event):
                             await self._send(send, chunks)
                     continue
-                if not await self._finish_sample(send, event, "".join(sent.get(event.index, ()))):
+                if not await self._finish_sample(send, event, "".join(sent.get(event.index, ())),
+                                                 scored.get(event.index, 0)):
                     return True  # ended with an error event
                 answers += 1
                 if pending.relayed_all(answers):
@@ -141,8 +144,9 @@ class AnswerStream:
     def _timed_out(self) -> ApiError:
         return ApiError(504, f"No answer within {self.wait_s:g} s; the question was cancelled.", code="timeout")
 
-    async def _finish_sample(self, send: Send, answer: AnswerEvent, sent: str) -> bool:
-        """A sample's end: its tail and finish_reason; False when the stream ended with an error event."""
+    async def _finish_sample(self, send: Send, answer: AnswerEvent, sent: str, scored: int = 0) -> bool:
+        """A sample's end: its tail and finish_reason; False when the stream ended with an error event.
+        `scored`: how many of its tokens' logprobs the deltas carried; the answer's own carry the rest."""
         try:
             raise_for_error(answer)
         except ApiError as error:  # mid-stream, OpenAI sends the error object as an event
@@ -158,7 +162,10 @@ class AnswerStream:
             await self._send(send, b"".join(sse(self.chunks.delta(d, answer.index, lp)) for d, lp in pairs) +
                              sse(self.chunks.last(answer, reason, logprobs)))
             return True
-        await self._send(send, (sse(self.chunks.text(tail, answer.index)) if tail else b"") +
+        # With exactly_once delivery a sample's last deltas (outside the worker's transaction) can land after
+        # its answer (inside it): the tail then comes from the answer, with those tokens' logprobs.
+        rest = answer.logprobs[scored:] if answer.logprobs else ()
+        await self._send(send, (sse(self.chunks.text(tail, answer.index, rest or None)) if tail or rest else b"") +
                          sse(self.chunks.last(answer)))
         return True
 
