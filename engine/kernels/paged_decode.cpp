@@ -94,6 +94,17 @@ static inline void fetch_row(const T* row) {
   }
 }
 
+// Up to 16 rows of a block as fp32 (widened once, fp32 read in place), the same rows of the next block
+// fetched meanwhile.
+template <typename T, int D>
+static inline void widen_rows(const T* rows, const T* next, int64_t stride, int64_t count, AsFloat<T, D> (&widen)[16],
+                              const float* (&out)[16]) {
+  for (int64_t j = 0; j < count; ++j) {
+    fetch_row<T, D>(next ? next + j * stride : nullptr);
+    out[j] = widen[j](rows + j * stride);
+  }
+}
+
 // Largest and sum of a row of scores, 16 lanes at a time: a chain of scalar max or add instructions
 // would wait on each other's latency. The lanes fold by a fixed tree, and where a row's values fall
 // among the lanes depends on its length alone, so the same row gives the same bits in any task.
@@ -316,10 +327,7 @@ static inline void score_keys8(const float* query, const T* rows, const T* next,
                                float* out, int64_t len) {
   AsFloat<T, D> widen[16];
   const float* key[16];
-  for (int64_t j = 0; j < count; ++j) {
-    fetch_row<T, D>(next ? next + j * stride : nullptr);
-    key[j] = widen[j](rows + j * stride);
-  }
+  widen_rows<T, D>(rows, next, stride, count, widen, key);
   for (int g = 0; g < G; ++g) {
     __m256 qv[D / 8];
     for (int c = 0; c < D / 8; ++c) qv[c] = _mm256_loadu_ps(query + g * D + c * 8);
@@ -340,10 +348,7 @@ static inline void add_values8(const T* rows, const T* next, int64_t stride, int
   const float* value[16];
   for (int64_t j0 = 0; j0 < count; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, count - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      fetch_row<T, D>(next ? next + (j0 + j) * stride : nullptr);
-      value[j] = widen[j](rows + (j0 + j) * stride);
-    }
+    widen_rows<T, D>(rows + j0 * stride, next ? next + j0 * stride : nullptr, stride, n, widen, value);
     for (int g = 0; g < G; ++g) {
       __m256 sum[D / 8];
       for (int c = 0; c < D / 8; ++c) sum[c] = _mm256_loadu_ps(acc + g * D + c * 8);
@@ -366,12 +371,9 @@ static inline void score_keys(const float* query, const T* rows, const T* next, 
     score_keys_shared<T, D, G>(query, rows, next, stride, count, out, len);
     return;
   } else if constexpr (D % 16 == 0) {
-    AsFloat<T, D> widen[16];  // each key widened once for all G query heads (fp32 keys are read in place)
+    AsFloat<T, D> widen[16];  // each key widened once for all G query heads
     const float* key[16];
-    for (int64_t j = 0; j < count; ++j) {
-      fetch_row<T, D>(next ? next + j * stride : nullptr);
-      key[j] = widen[j](rows + j * stride);
-    }
+    widen_rows<T, D>(rows, next, stride, count, widen, key);
     // The query head's D values stay in registers across the 16 keys: GCC otherwise reloads them for
     // every key, and the loads, not the multiplies, set the pace (a 1,000-token prompt's attention took
     // 1.2x as long). Same operations in the same order: same bits.
