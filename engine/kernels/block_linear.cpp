@@ -208,11 +208,12 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
   std::vector<RowGroup> woven;
   if (std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return !takes_few(p, k, rows); })) {
     const int64_t groups = blocks / 8;  // few rows take few_dots, which reads the codes as they are
+    const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
     woven.resize(groups * rows);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t gi = 0; gi < groups; ++gi)
-          fill_row_group(c, r, gi, woven[gi * rows + r]);
+          fill_row_group(c, r, gi, q6k, woven[gi * rows + r]);
     });
     c.woven = woven.data(), c.rows = rows;
   }

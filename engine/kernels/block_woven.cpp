@@ -63,15 +63,16 @@ inline void weave_codes(const int8_t* group, int8_t* out) {
   for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 32), r[c]);
 }
 
-// Row r's record for group gi (RowGroup): its codes woven, its blocks' scales and sums copied beside them.
-inline void fill_row_group(const Codes& c, int64_t r, int64_t gi, RowGroup& out) {
+// Row r's record for group gi (RowGroup): its codes woven, its blocks' scales and sums copied beside them,
+// and the half sums where a Q6_K part will read them.
+inline void fill_row_group(const Codes& c, int64_t r, int64_t gi, bool halves, RowGroup& out) {
   const int8_t* codes = c.q + r * c.stride + gi * GROUP;
   weave_codes(codes, out.codes);
   const int64_t at = r * c.blocks + gi * 8;
   std::copy(c.scale + at, c.scale + at + 8, out.scale);
   std::copy(c.sum + at, c.sum + at + 8, out.sum);
   std::copy(c.scaled_sum + at, c.scaled_sum + at + 8, out.scaled_sum);
-  for (int j = 0; j < 8; ++j) {  // Q6_K's: its integer scales cover 16 codes each
+  for (int j = 0; halves && j < 8; ++j) {  // Q6_K's: its integer scales cover 16 codes each
     int32_t first = 0, second = 0;
     for (int i = 0; i < QB / 2; ++i) first += codes[j * QB + i], second += codes[j * QB + QB / 2 + i];
     out.halves[0][j] = first, out.halves[1][j] = second;
