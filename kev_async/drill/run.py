@@ -136,7 +136,7 @@ async def _drill(run: _Run) -> None:
         with anyio.move_on_after(options.answer_timeout_s):
             while not _all_answered(run):
                 await anyio.sleep(0.2)
-        stalled = None if _all_answered(run) else _stalled(run)
+        stalled = None if _all_answered(run) else await _stalled(run)
         if stalled is None:
             await _settle(run)
         tg.cancel_scope.cancel()
@@ -159,7 +159,7 @@ def _all_answered(run: _Run) -> bool:
     return len(run.sent) >= run.options.questions and set(run.sent) <= run.answered()
 
 
-def _stalled(run: _Run) -> DrillStalled:
+async def _stalled(run: _Run) -> DrillStalled:
     missing = sorted(set(run.sent) - run.answered())
     unsent = run.options.questions - len(run.sent)
     parts = []
@@ -168,9 +168,45 @@ def _stalled(run: _Run) -> DrillStalled:
         parts.append(f"{len(missing)} question(s) unanswered: {where}{' ...' if len(missing) > 8 else ''}")
     if unsent:
         parts.append(f"{unsent} never published")
-    fates = ", ".join(f"{w.name} {w.fate}" for w in run.workers) or "none started"
+    fates = ", ".join(f"{w.name} {w.fate}{_exit(w)}" for w in run.workers) or "none started"
     parts.append(f"workers: {fates}; their logs: {run.options.workdir}")
+    if missing:
+        parts.append(await _traces(run, missing[:4]))
     return DrillStalled(f"after {run.options.answer_timeout_s:.0f} s, " + "; ".join(parts))
+
+
+def _exit(worker) -> str:
+    code = worker.process.poll()
+    return "" if code is None or worker.fate != "running" else f" (but it exited {code})"
+
+
+async def _traces(run: _Run, missing: list[str]) -> str:
+    """For a stall that happens once in many runs (CI keeps no logs): where each unanswered question
+    sits on the topic, the group's commit on its partition, and what each worker logged about it."""
+    with anyio.move_on_after(40) as scope:
+        layout, commits = await records_on(run.kafka), await committed(run.kafka)
+    if scope.cancelled_caught:
+        return "the topic and the group's commits could not be read"
+    lines = []
+    for qid in missing:
+        partition = run.sent[qid][0]
+        offsets = [offset for offset, key in sorted(layout.get(partition, {}).items()) if key == qid]
+        seen = {w.name: events for w in run.workers if (events := _mentions(w.log(), qid))}
+        lines.append(f"{qid}: on partition {partition} at offsets {offsets}, the group's commit there "
+                     f"{commits.get(partition)}, logged by {seen or 'no worker'}")
+    return "; ".join(lines)
+
+
+def _mentions(log: str, qid: str) -> list[str]:
+    """The events a worker's log names `qid` in, in order."""
+    events = []
+    for line in log.splitlines():
+        if qid in line and line.startswith("{"):
+            try:
+                events.append(msgspec.json.decode(line).get("event", "?"))
+            except (msgspec.DecodeError, AttributeError):
+                continue
+    return events
 
 
 async def _settle(run: _Run) -> None:
