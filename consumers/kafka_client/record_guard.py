@@ -66,7 +66,7 @@ class GuardedRecords:
 
     def __init__(self, data) -> None:
         self._buffer = memoryview(data)
-        self._raw = _split(self._buffer)
+        self._raw = split_batches(self._buffer)
         self._next = next(self._raw, None)
         self._previous = None  # the batch handed out last: the next one's offsets start past its end
         self._handed = 0  # batches handed out
@@ -93,10 +93,10 @@ class GuardedRecords:
         """From now on hand over only committed transactions' records, and nothing from the first batch
         whose transaction's outcome this response does not show (see the module's docstring)."""
         if self._handed == 0:
-            self._fates = batch_fates(list(_split(self._buffer)))
+            self._fates = batch_fates(list(split_batches(self._buffer)))
 
 
-def _split(buffer: memoryview) -> Iterator[memoryview]:
+def split_batches(buffer: memoryview) -> Iterator[memoryview]:
     """The response's whole batches; none past a partial batch at the end (the fetcher asks for it again)."""
     pos = 0
     while len(buffer) - pos >= LOG_OVERHEAD:

@@ -4,6 +4,8 @@ consumers/kafka_client/record_guard.py's docstring). aiokafka drops only the abo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from aiokafka.record.control_record import ABORT_MARKER, ControlRecord
 from aiokafka.record.default_records import DefaultRecordBatch
 
@@ -32,6 +34,26 @@ def batch_fates(raws: list[memoryview]) -> list[bool]:
             fates.append(None)
     open_from = min((indices[0] for indices in waiting.values()), default=len(fates))
     return [bool(fate) for fate in fates[:open_from]]
+
+
+class BatchHead(NamedTuple):
+    producer_id: int | None  # None: not a v2 batch
+    control: bool  # a transaction's marker
+    next_offset: int  # the offset after the batch's last
+
+
+def batch_head(raw: memoryview) -> BatchHead:
+    """What a batch says of itself: whose it is, whether it is a marker, where the next one starts."""
+    producer_id, attributes = _transaction_head(raw)
+    if producer_id is None:
+        return BatchHead(None, False, int.from_bytes(raw[:8], "big", signed=True) + 1)
+    fields = V2_HEADER.unpack_from(raw, 0)
+    return BatchHead(producer_id, bool(attributes & _CONTROL), fields[0] + fields[6] + 1)
+
+
+def is_commit(raw: memoryview) -> bool:
+    """Whether a control batch is a commit marker (one that does not parse counts as one, as in batch_fates)."""
+    return _marker(raw) != ABORT_MARKER
 
 
 def _transaction_head(raw: memoryview) -> tuple[int | None, int]:

@@ -15,9 +15,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
+import structlog
 from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from consumers.messages import Partition
+from consumers.publish.commit_markers import unmarked
+
+log = structlog.get_logger("kev.consumers.publish.transactions")
+
+REDO_TRIES = 3  # how often a transaction's records are sent again at most (acked without an offset, or unmarked)
 
 
 def transactional_id(group_id: str, partition: Partition) -> str:
@@ -35,6 +42,8 @@ class Deferred:
     settle: Callable[[], None]
     drop: Callable[[], None]
     again: Callable[[AIOKafkaProducer], Awaitable[asyncio.Future]]  # send it once more, to the same partition
+    placed: TopicPartition  # where it went
+    offset: int  # at which offset (-1: the broker did not say)
 
 
 @dataclass
@@ -49,7 +58,6 @@ class Transaction:
     deferred: list[Deferred] = field(default_factory=list)
     gone: bool = False  # revoked or failed: nothing more goes into it
     broken: bool = False  # a record of it was not published: abort, its PublishFailed ends the worker
-    unverified: bool = False  # a record was acked without an offset: it may not be in the log (see send_again)
     closed: bool = False  # ended for good: a record acked from now on is settled never
     lock: anyio.Lock = field(default_factory=anyio.Lock)  # one commit at a time
     beginning: anyio.Lock = field(default_factory=anyio.Lock)
@@ -93,15 +101,67 @@ class Transaction:
                     {TopicPartition(*p): at for p, at in positions.items()}, group_id)
             await self.producer.commit_transaction()
 
-    async def send_again(self, window_s: float) -> None:
-        """Abort the open transaction and send its records once more in a new one; `unverified` afterwards
-        says whether a record came back acked without an offset again (Transactions._redo says why)."""
-        with anyio.CancelScope(shield=True), anyio.fail_after(window_s):  # as the commit: no half-redo
-            await self.producer.abort_transaction()
+    async def redo(self, window_s: float) -> int:
+        """A record acked without an offset (the broker counted it a duplicate of one it holds) is not shown to
+        be in the log: on Tansu, after a SIGKILL of the broker and of the records' previous producer, the first
+        batch of the partition's next producer came back so and was not there. Such a transaction is aborted
+        (whatever of it is in the log, readers drop) and its records are sent again in a new one. Returns the
+        transactions aborted."""
+        for attempt in range(1, REDO_TRIES + 1):
+            if not any(deferred.offset < 0 for deferred in self.deferred):
+                return attempt - 1
+            log.warning("transaction.redone", transactional_id=self.tid, records=len(self.deferred), attempt=attempt,
+                        reason="a record was acknowledged without an offset")
+            with anyio.CancelScope(shield=True), anyio.fail_after(window_s):  # as the commit: no half-redo
+                await self.producer.abort_transaction()
+                await self.producer.begin_transaction()
+                await self._send_again(self.deferred)
+        if any(deferred.offset < 0 for deferred in self.deferred):
+            raise KafkaError(f"records acknowledged without an offset {REDO_TRIES} times over")
+        return REDO_TRIES
+
+    def last_offsets(self, records: list[Deferred] | None = None) -> dict[TopicPartition, int]:
+        """Per partition the records (default: the transaction's) went to, the offset of the last."""
+        last: dict[TopicPartition, int] = {}
+        for deferred in self.deferred if records is None else records:
+            last[deferred.placed] = max(last.get(deferred.placed, -1), deferred.offset)
+        return last
+
+    async def mend(self, positions: dict[Partition, int], group_id: str, window_s: float) -> int:
+        """Make good a commit that the broker answered without writing its marker after the records
+        (commit_markers.py). Returns the transactions aborted."""
+        for attempt in range(1, REDO_TRIES + 2):
+            if not (missing := await unmarked(self.producer, self.last_offsets())):
+                return attempt - 1
+            if attempt > REDO_TRIES:
+                raise KafkaError(f"records without their commit marker {REDO_TRIES} times over")
+            log.warning("transaction.unmarked", transactional_id=self.tid, attempt=attempt,
+                        partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in missing))
+            await self._mend(missing, positions, group_id, window_s)
+        return REDO_TRIES
+
+    async def _mend(self, partitions: set[TopicPartition], positions: dict[Partition, int], group_id: str,
+                    window_s: float) -> None:
+        """Abort the records on `partitions` together with copies of them (the abort marker decides both), then
+        send them once more in a transaction that commits, with the positions again. Where the marker only
+        came late (it has by the time the copies' transaction is open), just the copies are aborted."""
+        mending = [deferred for deferred in self.deferred if deferred.placed in partitions]
+        first = self.last_offsets(mending)
+        with anyio.CancelScope(shield=True), anyio.fail_after(window_s):
             await self.producer.begin_transaction()
-            pending = [await deferred.again(self.producer) for deferred in self.deferred]
-            acks = [await ack for ack in pending]
-        self.unverified = any(ack.offset < 0 for ack in acks)
+            await self._send_again(mending)
+            still = await unmarked(self.producer, first, wait_s=0.0)
+            await self.producer.abort_transaction()
+            if still:
+                await self.producer.begin_transaction()
+                await self._send_again([deferred for deferred in mending if deferred.placed in still])
+                await self.commit(positions, group_id, window_s)
+
+    async def _send_again(self, records: list[Deferred]) -> None:
+        """Each record once more, into the open transaction; their offsets become the new ones."""
+        pending = [await deferred.again(self.producer) for deferred in records]
+        for deferred, ack in zip(records, pending):
+            deferred.offset = (await ack).offset
 
     def reset(self) -> None:
         """No transaction open: the next record begins one."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import structlog
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from anyio.abc import TaskGroup
 
@@ -196,7 +196,6 @@ class Sender:
             self._acked = anyio.Event()
             if txn is not None:
                 if delivered is not None:  # settled when its transaction commits
-                    txn.unverified = txn.unverified or delivered[1].offset < 0
                     txn.settle_later(self._deferred(*delivered))
                 txn.leave()
         if delivered is not None and txn is None:
@@ -239,7 +238,7 @@ class Sender:
             return await producer.send(record.topic, value=record.value, key=record.key, headers=record.headers,
                                        partition=metadata.partition, timestamp_ms=record.timestamp_ms)
 
-        return Deferred(ready, settle, drop, again)
+        return Deferred(ready, settle, drop, again, TopicPartition(metadata.topic, metadata.partition), metadata.offset)
 
     async def _deliver(self, record: Record, pending: asyncio.Future | Exception, retries: Retries,
                        txn: Transaction | None = None, home: int | None = None):

@@ -14,6 +14,9 @@ rides with the partition's next record: `settled`). Answers, their offsets and t
 together or not at all: a worker that dies before the commit leaves nothing a read_committed reader sees,
 and the partition's next owner answers those questions once.
 
+After each commit the producer's marker is looked for after its records: a broker killed mid-commit can
+answer the retried EndTxn without writing it, and such records are sent again (commit_markers.py).
+
 A rebalance commits the revoked partitions' transactions (aborts one whose records are still unacked
 after a short wait: its questions go to the new owner) and closes their producers before aiokafka
 releases the partitions. A failure to commit ends the worker (PublishFailed), as an unpublishable
@@ -47,7 +50,6 @@ from schemas import KafkaConfig
 log = structlog.get_logger("kev.consumers.publish.transactions")
 
 REVOKE_WAIT_S = 1.0  # on revocation, how long unacked records may hold the commit before the transaction aborts
-REDO_TRIES = 3  # a transaction whose records come back acked without an offset is sent again this often at most
 
 
 class Transactions:
@@ -235,14 +237,17 @@ class Transactions:
                 txn._open.set()
 
     async def _end(self, txn: Transaction) -> dict[Partition, int]:
-        await self._redo(txn)
+        self.aborted += await txn.redo(self.window_s)
         for deferred in txn.deferred:
             deferred.ready()
         settled, began = txn.deferred, txn.began
         if began is None:
             return {}  # positions settled without a record wait for the partition's next record (see `settled`)
         positions = {p: at for p, at in self.tracker.committable().items() if p == txn.partition}
-        await txn.commit(positions, self.cfg.group_id, self.window_s)
+        with anyio.CancelScope(shield=True):  # as Transaction.commit's: what is committed is checked and settled
+            await txn.commit(positions, self.cfg.group_id, self.window_s)
+            with anyio.fail_after(self.window_s):
+                self.aborted += await txn.mend(positions, self.cfg.group_id, self.window_s)
         txn.reset()
         for deferred in settled:
             deferred.settle()
@@ -256,22 +261,6 @@ class Transactions:
         log.info("committed", positions={f"{p.topic}:{p.partition}": at for p, at in positions.items()},
                  transactional_id=txn.tid, answers=len(settled), seconds=round(seconds, 4))
         return positions
-
-    async def _redo(self, txn: Transaction) -> None:
-        """A record acked without an offset (the broker counted it a duplicate of one it holds) is not shown to
-        be in the log: on Tansu, after a SIGKILL of the broker and of the records' previous producer, the first
-        batch of the partition's next producer came back so and was not there. Such a transaction is aborted
-        (whatever of it is in the log, readers drop) and its records are sent again in a new one."""
-        for attempt in range(1, REDO_TRIES + 1):
-            if not txn.unverified:
-                return
-            txn.unverified = False
-            self.aborted += 1
-            log.warning("transaction.redone", transactional_id=txn.tid, records=len(txn.deferred), attempt=attempt,
-                        reason="a record was acknowledged without an offset")
-            await txn.send_again(self.window_s)
-        if txn.unverified:
-            raise KafkaError(f"records acknowledged without an offset {REDO_TRIES} times over")
 
     async def _abort(self, txn: Transaction, why: str) -> None:
         """End the transaction without its records (best effort: a fenced producer's abort fails too)."""

@@ -136,7 +136,7 @@ async def _drill(run: _Run) -> None:
         with anyio.move_on_after(options.answer_timeout_s):
             while not _all_answered(run):
                 await anyio.sleep(0.2)
-        stalled = None if _all_answered(run) else await _stalled(run)
+        stalled = None if _all_answered(run) else _stalled(run, await _traces(run))
         if stalled is None:
             await _settle(run)
         tg.cancel_scope.cancel()
@@ -159,7 +159,7 @@ def _all_answered(run: _Run) -> bool:
     return len(run.sent) >= run.options.questions and set(run.sent) <= run.answered()
 
 
-async def _stalled(run: _Run) -> DrillStalled:
+def _stalled(run: _Run, traces: str = "") -> DrillStalled:
     missing = sorted(set(run.sent) - run.answered())
     unsent = run.options.questions - len(run.sent)
     parts = []
@@ -170,8 +170,8 @@ async def _stalled(run: _Run) -> DrillStalled:
         parts.append(f"{unsent} never published")
     fates = ", ".join(f"{w.name} {w.fate}{_exit(w)}" for w in run.workers) or "none started"
     parts.append(f"workers: {fates}; their logs: {run.options.workdir}")
-    if missing:
-        parts.append(await _traces(run, missing[:4]))
+    if traces:
+        parts.append(traces)
     return DrillStalled(f"after {run.options.answer_timeout_s:.0f} s, " + "; ".join(parts))
 
 
@@ -180,9 +180,12 @@ def _exit(worker) -> str:
     return "" if code is None or worker.fate != "running" else f" (but it exited {code})"
 
 
-async def _traces(run: _Run, missing: list[str]) -> str:
-    """For a stall that happens once in many runs (CI keeps no logs): where each unanswered question
-    sits on the topic, the group's commit on its partition, and what each worker logged about it."""
+async def _traces(run: _Run) -> str:
+    """For a stall that happens once in many runs (CI keeps no logs): where each unanswered question (the
+    first four) sits on the topic, the group's commit on its partition, and what each worker logged of it."""
+    missing = sorted(set(run.sent) - run.answered())[:4]
+    if not missing:
+        return ""
     with anyio.move_on_after(40) as scope:
         layout, commits = await records_on(run.kafka), await committed(run.kafka)
     if scope.cancelled_caught:
