@@ -11,6 +11,7 @@ topic, and reads what an SSE client receives. No mocks on the path.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from functools import partial
 
@@ -20,10 +21,10 @@ import pytest
 
 pytest.register_assert_rewrite("kafka_fixtures", "serve_fixtures", "gateway_fixtures")
 from gateway_fixtures import API_KEY, LiveStack, live_stack, stack_config  # noqa: E402
-from kafka_fixtures import kafka_config, produce  # noqa: E402
+from kafka_fixtures import kafka_config, produce, read_topic  # noqa: E402
 
 from consumers import create_topics  # noqa: E402
-from schemas import AnswerDelta, AnswerEvent, Audit, TokenLogprob, Usage, encode  # noqa: E402
+from schemas import AnswerDelta, AnswerEvent, Audit, TokenLogprob, Usage, decode_question, encode  # noqa: E402
 
 pytest_plugins = ["kafka_fixtures", "serve_fixtures", "gateway_fixtures"]
 pytestmark = pytest.mark.kafka
@@ -70,6 +71,32 @@ def stream_with_replies(stack: LiveStack, replies, *, path: str = "/v1/chat/comp
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events
     return question_id, [json.loads(event) for event in events[:-1]]
+
+
+def stream_when_answered(stack: LiveStack, replies, extra: dict) -> list:
+    """As stream_with_replies, for a stream whose headers wait for the first reply (tools offered): the
+    question's id is read off the questions topic (the one asked with `extra`'s tools), not the headers."""
+    body = {"model": MODEL, "stream": True, "messages": SEA, **extra}
+    got: dict = {}
+
+    def ask() -> None:
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", stack.url + "/v1/chat/completions", json=body,
+                headers={"authorization": f"Bearer {API_KEY}"}) as response:
+            got["events"] = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    kafka = stack.cfg.kafka
+    for _ in range(40):
+        asked = [decode_question(r.value) for r in run(partial(read_topic, kafka.bootstrap_servers,
+                                                               kafka.questions_topic, 1, linger=0.2))]
+        if ids := [question.question_id for question in asked if question.tools]:
+            break
+    run(partial(produce, kafka.bootstrap_servers, stack.reply_topic, replies(ids[-1]), key=ids[-1].encode()))
+    asking.join(timeout=60)
+    assert got["events"][-1] == "[DONE]", got
+    return [json.loads(event) for event in got["events"][:-1]]
 
 
 def text_of(events: list[dict]) -> str:
@@ -136,6 +163,32 @@ def test_deltas_that_land_after_their_answer_still_give_every_token_and_its_logp
             if choice.get("logprobs") for entry in choice["logprobs"]["content"]]
     assert sent == [(entry.token, entry.logprob) for entry in scored]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_tool_call_whose_deltas_land_after_its_answer_still_gives_every_logprob(gateway):
+    """The same with tools offered: the call's last pieces come from the answer, and so do their logprobs."""
+    from tool_fixtures import TOOLS
+
+    CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    pieces_text = ["<tool_call>", CALL[len("<tool_call>"):-20], CALL[-20:]]
+    scored = tuple(TokenLogprob(piece, i, -0.25 - i) for i, piece in enumerate(pieces_text))
+
+    def replies(qid: str) -> list[bytes]:
+        pieces = [AnswerDelta(qid, seq, text, done=seq == 2, attempt="w1-a", logprobs=(scored[seq],))
+                  for seq, text in enumerate(pieces_text)]
+        answer = AnswerEvent(qid, text=CALL, usage=Usage(5, 3), audit=Audit(worker="w1", attempt="w1-a"),
+                             logprobs=scored)
+        return [encode(pieces[0]), encode(answer), *map(encode, pieces[1:])]
+
+    events = stream_when_answered(gateway, replies, extra={"logprobs": True, "tools": TOOLS})
+    calls = [call for event in events for choice in event.get("choices", [])
+             for call in choice["delta"].get("tool_calls") or ()]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(call["function"].get("arguments") or "" for call in calls)) == {"city": "Paris", "days": 2}
+    sent = [(entry["token"], entry["logprob"]) for event in events for choice in event.get("choices", [])
+            if choice.get("logprobs") for entry in choice["logprobs"]["content"]]
+    assert sent == [(entry.token, entry.logprob) for entry in scored]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_completions_stream_that_diverges_ends_with_the_error_too(gateway):

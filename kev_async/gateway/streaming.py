@@ -156,15 +156,15 @@ class AnswerStream:
             await self._send(send, sse(self._restarted(answer, sent).body()) + SSE_DONE, more=False)
             return False
         tail = answer.text[len(sent):]  # normally empty: the last delta carries the tail
+        # With exactly_once delivery a sample's last deltas (outside the worker's transaction) can land after
+        # its answer (inside it): the tail then comes from the answer, with those tokens' logprobs.
+        rest = answer.logprobs[scored:] if answer.logprobs else ()
         if self.calls is not None:
-            pairs, logprobs, called = self.calls.end(answer.index, tail)
+            pairs, logprobs, called = self.calls.end(answer.index, tail, rest)
             reason = "tool_calls" if called and answer.finish_reason == "stop" else None
             await self._send(send, b"".join(sse(self.chunks.delta(d, answer.index, lp)) for d, lp in pairs) +
                              sse(self.chunks.last(answer, reason, logprobs)))
             return True
-        # With exactly_once delivery a sample's last deltas (outside the worker's transaction) can land after
-        # its answer (inside it): the tail then comes from the answer, with those tokens' logprobs.
-        rest = answer.logprobs[scored:] if answer.logprobs else ()
         await self._send(send, (sse(self.chunks.text(tail, answer.index, rest or None)) if tail or rest else b"") +
                          sse(self.chunks.last(answer)))
         return True

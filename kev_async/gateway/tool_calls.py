@@ -162,9 +162,12 @@ class StreamedCalls:
             self._held[index] = self._held.get(index, ()) + tuple(logprobs)
         return self._paired(index, self._reader(index).feed(text))
 
-    def end(self, index: int, tail: str) -> tuple[list[tuple[dict[str, Any], tuple | None]], tuple | None, bool]:
-        """Sample `index`'s last deltas, the logprobs still held (for the closing chunk), and whether it made
-        calls."""
+    def end(self, index: int, tail: str, logprobs: tuple | None = None) -> tuple[list[tuple[dict[str, Any], tuple | None]],
+                                                                             tuple | None, bool]:
+        """Sample `index`'s last deltas (`tail`, its tokens' `logprobs`), the logprobs still held (for the
+        closing chunk), and whether it made calls."""
+        if logprobs:
+            self._held[index] = self._held.get(index, ()) + tuple(logprobs)
         reader = self._reader(index)
         pairs = self._paired(index, reader.feed(tail) + reader.end())
         return pairs, self._held.pop(index, None), reader.calls > 0
