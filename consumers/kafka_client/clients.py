@@ -15,7 +15,8 @@ is a warning, never the error the caller sees.
 Importing this module installs the fetch guard (record_guard.py), so no consumer Kev opens can be
 stopped by a record's bytes and a read_committed one never sees an aborted transaction's records, and
 the InitProducerId adapter (init_producer_id.py), without which aiokafka's idempotent and
-transactional producers cannot start on the embedded Tansu. `fetch` is `getmany` that also survives
+transactional producers cannot start on the embedded Tansu, and the coordinator lookup's retry
+(coordinator_lookup.py), without which a broker restart mid-lookup ends a producer. `fetch` is `getmany` that also survives
 the one error aiokafka raises after it has already skipped past the offset (a record larger than the
 fetch size).
 """
@@ -34,7 +35,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, RecordTooLargeError
 from aiokafka.structs import TopicPartition
 
-from consumers.kafka_client import init_producer_id
+from consumers.kafka_client import coordinator_lookup, init_producer_id
 
 from consumers.kafka_client import record_guard
 from consumers.kafka_client.security import client_options
@@ -44,6 +45,7 @@ log = structlog.get_logger("kev.consumers.kafka_client.clients")
 
 record_guard.install()
 init_producer_id.install()
+coordinator_lookup.install()
 
 STOP_TIMEOUT_S = 5.0
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import anyio
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import for_code
+from aiokafka.errors import KafkaError, for_code
 from aiokafka.protocol.fetch import FetchRequest
 
 from consumers.kafka_client.record_guard import split_batches
@@ -27,6 +27,7 @@ from consumers.kafka_client.transaction_filter import batch_head, is_commit
 
 READ_UNCOMMITTED = 0
 FETCH_BYTES = 1 << 20
+MAX_FETCH_BYTES = 1 << 28  # a record's batch is never larger than the broker's message.max.bytes
 # A Fetch that may not wait: Tansu answers it with no partitions, and on durable storage one that may
 # wait a millisecond comes back empty. It answers as soon as a byte is there, so this is paid only where
 # nothing follows the record (no marker: `unmarked` looks again until its deadline).
@@ -55,14 +56,13 @@ async def unmarked(producer: AIOKafkaProducer, last: Mapping[TopicPartition, int
 async def _committed_after(producer: AIOKafkaProducer, tp: TopicPartition, offset: int) -> bool:
     """Whether the producer's first marker past `offset` on `tp` (read up to the high watermark) is a commit."""
     client, producer_id = producer.client, producer._txn_manager.producer_id
-    at = offset + 1
+    at, size = offset + 1, FETCH_BYTES
     while True:
         node = client.cluster.leader_for_partition(tp)
         if node is None or node < 0:
             await client.force_metadata_update()
             node = client.cluster.leader_for_partition(tp)
-        request = FetchRequest(FETCH_WAIT_MS, 1, FETCH_BYTES, READ_UNCOMMITTED,
-                               [(tp.topic, [(tp.partition, at, FETCH_BYTES)])])
+        request = FetchRequest(FETCH_WAIT_MS, 1, size, READ_UNCOMMITTED, [(tp.topic, [(tp.partition, at, size)])])
         response = await client.send(node, request)
         answered = [partition for _topic, partitions in response.topics for partition in partitions]
         if not answered:
@@ -75,6 +75,11 @@ async def _committed_after(producer: AIOKafkaProducer, tp: TopicPartition, offse
             head = batch_head(batch)
             if head.producer_id == producer_id and head.control:
                 return is_commit(batch)
+        if raw and not batches:  # a batch larger than we asked for (another writer's): ask for more, never guess
+            if size >= MAX_FETCH_BYTES:
+                raise KafkaError(f"a batch over {MAX_FETCH_BYTES} bytes at {tp.topic}:{tp.partition} {at}")
+            size *= 4
+            continue
         if not batches:
             return False
         at = batch_head(batches[-1]).next_offset

@@ -115,7 +115,7 @@ class Transaction:
             with anyio.CancelScope(shield=True), anyio.fail_after(window_s):  # as the commit: no half-redo
                 await self.producer.abort_transaction()
                 await self.producer.begin_transaction()
-                await self._send_again(self.deferred)
+                self._placed_again(self.deferred, await self._send_again(self.deferred))
         if any(deferred.offset < 0 for deferred in self.deferred):
             raise KafkaError(f"records acknowledged without an offset {REDO_TRIES} times over")
         return REDO_TRIES
@@ -149,19 +149,31 @@ class Transaction:
         first = self.last_offsets(mending)
         with anyio.CancelScope(shield=True), anyio.fail_after(window_s):
             await self.producer.begin_transaction()
-            await self._send_again(mending)
+            await self._send_again(mending)  # the copies, to be aborted: the originals' offsets stay
             still = await unmarked(self.producer, first, wait_s=0.0)
             await self.producer.abort_transaction()
-            if still:
+            resent = [deferred for deferred in mending if deferred.placed in still]
+            for _ in range(REDO_TRIES if resent else 0):
                 await self.producer.begin_transaction()
-                await self._send_again([deferred for deferred in mending if deferred.placed in still])
+                offsets = await self._send_again(resent)
+                if min(offsets) < 0:  # no telling where it went (see redo): aborted, sent once more
+                    await self.producer.abort_transaction()
+                    continue
                 await self.commit(positions, group_id, window_s)
+                self._placed_again(resent, offsets)
+                return
+            if resent:
+                raise KafkaError(f"records sent again were acknowledged without an offset {REDO_TRIES} times over")
 
-    async def _send_again(self, records: list[Deferred]) -> None:
-        """Each record once more, into the open transaction; their offsets become the new ones."""
+    async def _send_again(self, records: list[Deferred]) -> list[int]:
+        """Each record once more, into the open transaction; the offsets they got."""
         pending = [await deferred.again(self.producer) for deferred in records]
-        for deferred, ack in zip(records, pending):
-            deferred.offset = (await ack).offset
+        return [(await ack).offset for ack in pending]
+
+    @staticmethod
+    def _placed_again(records: list[Deferred], offsets: list[int]) -> None:
+        for deferred, offset in zip(records, offsets):
+            deferred.offset = offset
 
     def reset(self) -> None:
         """No transaction open: the next record begins one."""
