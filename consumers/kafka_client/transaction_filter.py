@@ -44,11 +44,10 @@ class BatchHead(NamedTuple):
 
 def batch_head(raw: memoryview) -> BatchHead:
     """What a batch says of itself: whose it is, whether it is a marker, where the next one starts."""
-    producer_id, attributes = _transaction_head(raw)
-    if producer_id is None:
+    if len(raw) < V2_HEADER.size or raw[MAGIC_AT] < 2:
         return BatchHead(None, False, int.from_bytes(raw[:8], "big", signed=True) + 1)
     fields = V2_HEADER.unpack_from(raw, 0)
-    return BatchHead(producer_id, bool(attributes & _CONTROL), fields[0] + fields[6] + 1)
+    return BatchHead(fields[9], bool(fields[5] & _CONTROL), fields[0] + fields[6] + 1)
 
 
 def is_commit(raw: memoryview) -> bool:

@@ -2,13 +2,13 @@
 
 A broker SIGKILLed while a producer's EndTxn(commit) is in flight can come back with the transaction's
 group offsets committed and its records in the log, but without the marker that decides them; the
-producer's retried EndTxn is answered as a success. The embedded Tansu does this (tests/test_exactly_once.py
+producer's retried EndTxn is answered as a success. The embedded Tansu does this (tests/test_commit_markers.py
 shows it): such records stay undecided, a read_committed reader never sees them, and the partition's last
 stable offset stays below them, until the same producer id writes a marker there again (Apache Kafka's
 transaction coordinator finishes a commit it has begun by itself, after a restart too).
 
 So after each commit, Transactions looks for the producer's commit marker after the last record it wrote
-to each partition (one Fetch per partition, read_uncommitted, not waiting). Where none came, the records
+to each partition (one Fetch per partition, read_uncommitted, answered as soon as the marker is there). Where none came, the records
 are mended (partition_transaction.py `Transaction.mend`).
 """
 

@@ -158,19 +158,21 @@ class StreamedCalls:
 
     def feed(self, index: int, text: str, logprobs: tuple | None) -> list[tuple[dict[str, Any], tuple | None]]:
         """(delta, logprobs) pairs to send for this much more of sample `index`'s text."""
-        if logprobs:
-            self._held[index] = self._held.get(index, ()) + tuple(logprobs)
+        self._hold(index, logprobs)
         return self._paired(index, self._reader(index).feed(text))
 
     def end(self, index: int, tail: str, logprobs: tuple | None = None) -> tuple[list[tuple[dict[str, Any], tuple | None]],
                                                                              tuple | None, bool]:
         """Sample `index`'s last deltas (`tail`, its tokens' `logprobs`), the logprobs still held (for the
         closing chunk), and whether it made calls."""
-        if logprobs:
-            self._held[index] = self._held.get(index, ()) + tuple(logprobs)
+        self._hold(index, logprobs)
         reader = self._reader(index)
         pairs = self._paired(index, reader.feed(tail) + reader.end())
         return pairs, self._held.pop(index, None), reader.calls > 0
+
+    def _hold(self, index: int, logprobs: tuple | None) -> None:
+        if logprobs:
+            self._held[index] = self._held.get(index, ()) + tuple(logprobs)
 
     def _reader(self, index: int) -> CallReader:
         if index not in self._readers:
