@@ -82,6 +82,8 @@ async def _committed_after(producer: AIOKafkaProducer, tp: TopicPartition, offse
             continue
         if not batches:
             return False
-        at = batch_head(batches[-1]).next_offset
+        # Never back or in place: Tansu stores a batch's negative lastOffsetDelta as sent (docs/reliability.md),
+        # and another writer's such batch must not keep this scan, inside a commit, fetching one offset.
+        at = max(at + 1, batch_head(batches[-1]).next_offset)
         if at >= highwater:
             return False
