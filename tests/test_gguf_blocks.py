@@ -99,6 +99,18 @@ def test_greedy_answers_solo_equal_packed(stored, harness):
     assert all(torch.equal(a, b) for a, b in zip(packed.logits["victim"], solo.logits["victim"]))
 
 
+def test_a_gguf_s_tokenizer_loads_as_the_generic_fast_class(stored):
+    """engine/model/model.py's load_tokenizer: the model class's tokenizer (Qwen2Tokenizer, GemmaTokenizer)
+    would add its vocabulary as Python objects; the ids are the same (tests/test_real_gemma.py checks a real
+    one)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    own = AutoTokenizer.from_pretrained(stored.path)
+    assert type(stored.tokenizer) is PreTrainedTokenizerFast
+    for text in ("The capital of France is", "  two spaces\tand a tab", "def f(x):\n    return x"):
+        assert stored.tokenizer(text)["input_ids"] == own(text)["input_ids"]
+
+
 def test_full_and_int8_still_load_the_file(gguf):
     ids = torch.tensor(PROMPT[:4])
     for weights in ("full", "int8"):

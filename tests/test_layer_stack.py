@@ -38,19 +38,21 @@ def _run(harness, model, questions, *, stack: bool, **options):
     return harness.run_core(model, questions, core=core), calls
 
 
-@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
-                                        (torch.bfloat16, True)], ids=["fp32", "bf16", "int8-fp32", "int8-bf16"])
-def test_the_stack_gives_every_row_the_python_forwards_bits(tiny_models, harness, dtype, int8):
+@pytest.mark.parametrize("dtype,int8,kv_dtype", [(torch.float32, False, "auto"), (torch.bfloat16, False, "auto"),
+                                                 (torch.float32, True, "auto"), (torch.bfloat16, True, "auto"),
+                                                 (torch.float32, False, "fp16")],
+                         ids=["fp32", "bf16", "int8-fp32", "int8-bf16", "fp32-fp16-kv"])
+def test_the_stack_gives_every_row_the_python_forwards_bits(tiny_models, harness, dtype, int8, kv_dtype):
     """Packed questions, prompts cut into chunks beside decodes, greedy and seeded: the same logits bit for
     bit through the stack and through the Python forward, on every tiny architecture (biases, q/k norms),
-    with full and int8 weights."""
+    with full and int8 weights, and fp32 rows over an fp16 cache (both round each key and value once)."""
     for kind, tiny in tiny_models.items():
         model = harness.kev_model_from_hf(tiny.hf, tiny.kev.tokenizer, dtype=dtype)
         if int8:
             model.weights.quantize_int8()
         questions = _questions(harness, seed=len(kind))
-        fused, calls = _run(harness, model, questions, stack=True, max_tokens_per_step=48)
-        python, _ = _run(harness, model, questions, stack=False, max_tokens_per_step=48)
+        fused, calls = _run(harness, model, questions, stack=True, max_tokens_per_step=48, kv_dtype=kv_dtype)
+        python, _ = _run(harness, model, questions, stack=False, max_tokens_per_step=48, kv_dtype=kv_dtype)
         assert calls, f"{kind}: the stack never ran"
         for q in questions:
             assert fused.tokens(q.qid) == python.tokens(q.qid), (kind, q.qid)

@@ -2,7 +2,8 @@
 
 It must give SDPA's answer, the same bits alone or packed, and never read a slot the question has not
 written: a neighbour's slots (and a block's unwritten tail) are filled with NaN here. Caches: fp32, bf16,
-and int8 (with fp32 or bf16 queries), which the kernel reads as stored, scales applied per position. A step with few
+fp16 (with fp32 queries: widened exactly, so the bits of an fp32 cache holding the same values), and
+int8 (with fp32 or bf16 queries), which the kernel reads as stored, scales applied per position. A step with few
 rows gives each KV head its own task, one with many rows (4 per thread) gives each question one task:
 the tests run both.
 """
@@ -31,6 +32,7 @@ def _many(lengths: list[int]) -> list[int]:
 
 # cache -> (storage dtype, query dtype, tolerance against SDPA)
 CACHES = {"fp32": (torch.float32, torch.float32, 1e-5), "bf16": (torch.bfloat16, torch.bfloat16, 2e-2),
+          "fp16": (torch.float16, torch.float32, 1e-5),
           "int8": (torch.int8, torch.float32, 1e-5), "int8-bf16": (torch.int8, torch.bfloat16, 2e-2)}
 
 
@@ -67,7 +69,7 @@ def test_paged_decode_gives_sdpa_s_answer_over_mixed_lengths(cache, many):
 
 
 @pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (128, 4), (128, 8), (64, 7), (128, 5), (128, 6)])
-@pytest.mark.parametrize("cache", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("cache", ["fp32", "bf16", "fp16", "int8"])
 def test_other_head_sizes_and_groups_give_sdpa_s_answer(cache, head_dim, group):
     """Every head size and query heads per KV head the kernel takes (the tests above: 64 and 3)."""
     spec = SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=head_dim, num_heads=2 * group)
@@ -92,7 +94,7 @@ def test_a_row_is_the_same_bits_alone_or_packed(cache):
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["task per head", "task per question"])
-@pytest.mark.parametrize("cache", ["fp32", "int8"])
+@pytest.mark.parametrize("cache", ["fp32", "fp16", "int8"])
 def test_a_question_never_reads_a_slot_it_has_not_written(cache, many):
     kv, segments, q = _setup(cache, _many([3, 40, 100, 32]) if many else [3, 40, 100])
     layer = kv.layers[0]
@@ -134,6 +136,23 @@ def test_the_path_for_cpus_without_avx512_agrees_and_keeps_rows_apart(cache):
     for row, seg in enumerate(segments[:6]):
         alone = attend(portable, [Segment(0, 1, seg.kv_len, seg.block_ids, True)], q[row:row + 1])
         assert torch.equal(alone[0], packed[row])
+
+
+@pytest.mark.parametrize("flags", ["native", "no-avx512", "plain"])
+def test_an_fp16_cache_gives_the_bits_of_an_fp32_cache_holding_its_values(flags):
+    """kv_cache.dtype fp16 changes what is stored (each value rounded once, when written), never how
+    attention reads it: every build widens fp16 exactly, so the answer is the fp32 cache's to the bit."""
+    from engine.kernels import native
+
+    op = paged_decode.compiled({"native": native.CFLAGS, "no-avx512": native.NO_AVX512, "plain": native.PLAIN}[flags])
+    kv, segments, q = _setup("fp16", _many([1, 16, 17, 130, 300, 45]))
+    step = paged_decode.PagedDecodes(segments, BLOCK, torch.device("cpu"))
+
+    def attend(k, v):
+        return op(q.contiguous(), k, v, step.table, step.lengths, BLOCK, SPEC.head_dim ** -0.5, 0, 0.0, None, None)
+
+    half = attend(kv.k[0], kv.v[0])
+    assert torch.equal(half, attend(kv.k[0].float(), kv.v[0].float()))
 
 
 FORMS = {"window": AttentionForm(0.1, window=20), "softcap": AttentionForm(0.2, softcap=1.5),

@@ -91,3 +91,20 @@ def test_gemma3_with_its_blocks_kept_is_the_same_alone_or_packed_and_near_transf
             assert gap < NEAR_TIE, f"{q.qid} step {step}: Kev's pick is {gap:.2f} below transformers' best"
             agree += int(token == int(reference[step].argmax()))
     assert agree >= 0.9 * NEW_TOKENS * len(PROMPTS)
+
+
+def test_gemma3_s_tokenizer_is_the_generic_fast_class_with_gemma_s_own_ids(models):
+    """A GGUF's tokenizer loads as the generic fast class (GemmaTokenizer also keeps its 262k-token vocabulary
+    as Python objects, ~157 MiB more resident): the same ids, texts and special tokens as GemmaTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    kev, _hf = models
+    own = AutoTokenizer.from_pretrained(kev.path)
+    assert type(own).__name__ == "GemmaTokenizer" and type(kev.tokenizer) is PreTrainedTokenizerFast
+    texts = PROMPTS + ["  two spaces, a tab\tand\nnewlines", "émoji 🎉, 中文, Ελληνικά", "<start_of_turn>user\nhi<end_of_turn>"]
+    for text in texts:
+        ids = own(text)["input_ids"]
+        assert kev.tokenizer(text)["input_ids"] == ids, text
+        assert kev.tokenizer.decode(ids) == own.decode(ids)
+    assert kev.tokenizer.all_special_ids == own.all_special_ids and len(kev.tokenizer) == len(own)
+    assert (kev.tokenizer.eos_token_id, kev.tokenizer.bos_token_id) == (own.eos_token_id, own.bos_token_id)

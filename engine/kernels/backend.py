@@ -90,6 +90,9 @@ def flash_missing(device: str, dtype: torch.dtype, kv_dtype: str, flash_installe
                        "(core.precision: bf16, or auto on CUDA)")
     if kv_dtype == "int8":
         missing.append("it reads its cache raw and cannot read an int8 cache (kv_cache.dtype: int8)")
+    if kv_dtype == "fp16" and dtype != torch.float16:
+        missing.append(f"it reads its cache raw, so an fp16 cache needs an fp16 model, not {dtype_name(dtype)} "
+                       "(kv_cache.dtype: auto)")
     if not flash_installed:
         missing.append(NOT_INSTALLED)
     return missing

@@ -128,11 +128,24 @@ struct Shape {
   float eps;
 };
 
+// n values into a cache row: as they are, or fp32 rounded to an fp16 cache's values (to nearest even, as
+// torch's .to(torch.float16) rounds, so the Python forward writes the same bits).
+inline void store_row(float* out, const float* x, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+inline void store_row(at::BFloat16* out, const at::BFloat16* x, int64_t n) { std::memcpy(out, x, n * sizeof(*x)); }
+inline void store_row(at::Half* out, const float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<at::Half>(x[i]);
+}
+
 // From a row's fresh qkv: q and k normalised per head where the model says so (Qwen3), rotated to the
-// row's position, k and v written to the row's slot, q copied out for attention.
-template <typename T>
+// row's position, k and v written to the row's slot (C: the cache's type), q copied out for attention.
+template <typename T, typename C>
 void place_row(T* qkv, const Shape& s, const torch::Tensor* w, const T* cos, const T* sin_signed,
-               T* k_cache, T* v_cache, int64_t slot, T* q_out) {
+               C* k_cache, C* v_cache, int64_t slot, T* q_out) {
   const int64_t q_size = s.heads * s.dim, kv_size = s.kv_heads * s.dim;
   T* q = qkv;
   T* k = qkv + q_size;
@@ -142,12 +155,12 @@ void place_row(T* qkv, const Shape& s, const torch::Tensor* w, const T* cos, con
     rms_norm_rows(k, w[K_NORM].data_ptr<T>(), k, s.kv_heads, s.dim, s.eps);
   }
   rope(q, s.heads + s.kv_heads, s.dim, cos, sin_signed);  // q and k lie side by side
-  std::memcpy(k_cache + slot * kv_size, k, kv_size * sizeof(T));
-  std::memcpy(v_cache + slot * kv_size, v, kv_size * sizeof(T));
+  store_row(k_cache + slot * kv_size, k, kv_size);
+  store_row(v_cache + slot * kv_size, v, kv_size);
   std::memcpy(q_out, q, q_size * sizeof(T));
 }
 
-template <typename T>
+template <typename T, typename C>
 void attention_half(torch::Tensor& hidden, const torch::Tensor* w, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const Rows& rows, const Shape& s, const torch::Tensor& cos,
                     const torch::Tensor& sin_signed, int64_t window) {
@@ -159,8 +172,9 @@ void attention_half(torch::Tensor& hidden, const torch::Tensor* w, const torch::
   at::parallel_for(0, count, ROW_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t p = rows.positions[r];
-      place_row<T>(qkv.data_ptr<T>() + r * n, s, w, cos.data_ptr<T>() + p * s.dim, sin_signed.data_ptr<T>() + p * s.dim,
-                   k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), rows.slots[r], q.data_ptr<T>() + r * s.heads * s.dim);
+      place_row<T, C>(qkv.data_ptr<T>() + r * n, s, w, cos.data_ptr<T>() + p * s.dim,
+                      sin_signed.data_ptr<T>() + p * s.dim, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), rows.slots[r],
+                      q.data_ptr<T>() + r * s.heads * s.dim);
     }
   });
   auto out = paged::attend(q, k_cache, v_cache, rows.table, rows.lengths, rows.block_size, rows.scale, window, 0.0,
@@ -236,9 +250,12 @@ torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weigh
   TORCH_CHECK(dim > 0 && dim <= MAX_HEAD_DIM && dim % 2 == 0, "layer_stack: head size ", dim);
   for (const auto& t : {positions, slots, lengths})
     TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous() && t.numel() == count, "layer_stack: [T] int64");
+  // fp32 rows may keep an fp16 cache (kv_cache.dtype fp16)
+  const bool half_cache = !caches.empty() && caches[0].scalar_type() == at::ScalarType::Half && dtype == at::ScalarType::Float;
   for (const auto& c : caches)
-    TORCH_CHECK(c.scalar_type() == dtype && c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads && c.size(2) == dim,
-                "layer_stack: caches [slots, kv_heads, dim] of the rows' dtype");
+    TORCH_CHECK((c.scalar_type() == dtype || (half_cache && c.scalar_type() == at::ScalarType::Half)) &&
+                    c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads && c.size(2) == dim,
+                "layer_stack: caches [slots, kv_heads, dim] of the rows' dtype, or fp16 under fp32 rows");
   TORCH_CHECK(cos.scalar_type() == dtype && sin_signed.scalar_type() == dtype && cos.is_contiguous() &&
               sin_signed.is_contiguous() && cos.size(-1) == dim, "layer_stack: rotary tables [positions, dim]");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -256,11 +273,14 @@ torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weigh
     const torch::Tensor* w = weights.data() + layer * PER_LAYER;
     const auto& k_cache = caches[2 * layer];
     const auto& v_cache = caches[2 * layer + 1];
-    if (dtype == at::ScalarType::Float) {
-      attention_half<float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
+    if (half_cache) {
+      attention_half<float, at::Half>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
+      mlp_half<float>(h, w, shape);
+    } else if (dtype == at::ScalarType::Float) {
+      attention_half<float, float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
       mlp_half<float>(h, w, shape);
     } else {
-      attention_half<at::BFloat16>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
+      attention_half<at::BFloat16, at::BFloat16>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
       mlp_half<at::BFloat16>(h, w, shape);
     }
   }

@@ -52,8 +52,10 @@ class LayerStack:
         return cls(model, native.module()) if reason is None else None
 
     def runs(self, attend) -> bool:
-        """Whether this step's attention is the stack's: row-wise over an unquantised cache of the rows' dtype."""
-        return isinstance(attend, RowwiseStep) and not attend.kv.quantized and attend.kv.k.dtype == self.dtype
+        """Whether this step's attention is the stack's: row-wise over an unquantised cache of the rows' dtype
+        (fp32 rows: also fp16)."""
+        cache = attend.kv.k.dtype if isinstance(attend, RowwiseStep) and not attend.kv.quantized else None
+        return cache == self.dtype or (cache == torch.float16 and self.dtype == torch.float32)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attend: RowwiseStep) -> torch.Tensor:
         rows = attend.rows

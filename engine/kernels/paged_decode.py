@@ -1,5 +1,5 @@
 """Single-token decode attention that reads each question's keys and values where they lie in the block
-pool, instead of gathering them into a padded batch first (CPU; fp32, bf16 and int8 caches).
+pool, instead of gathering them into a padded batch first (CPU; fp32, bf16, fp16 and int8 caches).
 
 The gather was a third of an fp32 decode step at 64 rows of 400 tokens (`python -m benchmarks.step --profile`):
 it copies every row's whole context out of the pool, per layer, per step, at the memory's speed, and
@@ -61,9 +61,10 @@ def compiled_shape(head_dim: int, group: int) -> bool:
 
 def usable(kv) -> bool:
     """Whether decodes over this cache can take the kernel: CPU, fp32 or bf16 queries over a cache of
-    their dtype or int8, a compiled head shape."""
+    their dtype or int8 (fp32 ones also fp16), a compiled head shape."""
     return (kv.k.device.type == "cpu" and kv.compute_dtype in (torch.float32, torch.bfloat16)
-            and (kv.quantized or kv.k.dtype == kv.compute_dtype)
+            and (kv.quantized or kv.k.dtype == kv.compute_dtype
+                 or (kv.k.dtype == torch.float16 and kv.compute_dtype == torch.float32))
             and compiled_shape(kv.k.shape[-1], kv.group) and kernel() is not None)
 
 

@@ -1,5 +1,9 @@
 """The KV cache tensors: allocated once at start from a budget, never resized.
 
+fp16 KV: keys and values rounded to fp16 as they are written, read back widened (exactly) to the model's
+dtype: half of fp32's bytes, as llama.cpp's default cache keeps them. A value's rounding depends on that
+value alone, so a row's bits stay its own.
+
 int8 KV: each token's key (and value) per KV head is stored as int8 with one fp16 scale
 (max |x| / 127 over head_dim). The scale depends on that token and head alone, so a token's stored
 bits never depend on what else was written in the same step: isolation (and deterministic mode's
@@ -19,16 +23,17 @@ from engine.attention_form import AttentionForm
 from schemas import DEFAULT_CONFIG, KvDtype
 
 MIB = 1 << 20
-KV_DTYPES = get_args(KvDtype)  # auto: the model's dtype; int8: quantised per token and head
+KV_DTYPES = get_args(KvDtype)  # auto: the model's kv_dtype; fp16; int8: quantised per token and head
 # fp16 scales: 11 significant bits (far finer than the int8 step they scale) in 2 bytes, so a head of
 # 16 values still fits 3.5x the tokens of fp32 per byte (64 values: 3.9x).
 SCALE_DTYPE = torch.float16
 
 
-def cache_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+def cache_dtype(kv_dtype: str, auto: torch.dtype) -> torch.dtype:
+    """The storage dtype for `kv_cache.dtype`; `auto`: what "auto" stores (a model's `kv_dtype`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache.dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    return torch.int8 if kv_dtype == "int8" else model_dtype
+    return {"int8": torch.int8, "fp16": torch.float16}.get(kv_dtype, auto)
 
 
 def kv_bytes_per_token(spec, dtype: torch.dtype) -> int:
@@ -80,9 +85,10 @@ class LayerKV:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the step's new keys/values; returns them as a later read will see them."""
         if not self.quantized:
-            self.k.index_copy_(0, slots, k)
-            self.v.index_copy_(0, slots, v)
-            return k, v
+            stored_k, stored_v = k.to(self.k.dtype), v.to(self.v.dtype)  # fp16 under fp32: rounded once, here
+            self.k.index_copy_(0, slots, stored_k)
+            self.v.index_copy_(0, slots, stored_v)
+            return stored_k.to(k.dtype), stored_v.to(v.dtype)
         (qk, sk), (qv, sv) = quantize(k.float() - self.k_center), quantize(v)
         self.k.index_copy_(0, slots, qk)
         self.k_scale.index_copy_(0, slots, sk)
@@ -93,7 +99,7 @@ class LayerKV:
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [len(slots), KVH, D] of the given cache rows, in the compute dtype."""
         if not self.quantized:
-            return self.k.index_select(0, slots), self.v.index_select(0, slots)
+            return self.k.index_select(0, slots).to(self.dtype), self.v.index_select(0, slots).to(self.dtype)
         return (dequantize(self.k.index_select(0, slots), self.k_scale.index_select(0, slots), self.dtype),
                 dequantize(self.v.index_select(0, slots), self.v_scale.index_select(0, slots), self.dtype))
 

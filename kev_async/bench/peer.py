@@ -58,6 +58,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
                       help="Kev's compute precision; for a converted GGUF give the server that dtype (default fp32)")
     peer.add_argument("--weights", choices=("auto", "full", "int8"), default="auto",
                       help="Kev's weights: auto keeps a GGUF's block formats as stored (default auto)")
+    peer.add_argument("--kv-dtype", choices=("auto", "fp16", "int8"), default="auto",
+                      help="Kev's KV cache: auto is fp16 for a GGUF kept as stored (llama-server's default cache), "
+                           "else the compute dtype (default auto)")
     peer.add_argument("--threads", type=int, default=None,
                       help="Kev's torch threads; match the server's -t (default: all cores, at most 16)")
     peer.add_argument("--repeats", type=positive_int("repeats"), default=5, help="runs per side; medians (default 5)")
@@ -79,7 +82,7 @@ def _cli(args: argparse.Namespace) -> int:
         set_threads(args.threads)
         model = load_model(args.model, device="cpu", dtype=args.dtype, weights=args.weights)
         bench_peer(model, server, info=info, repeats=args.repeats, new_tokens=args.new_tokens,
-                   prompt_tokens=args.prompt_tokens)
+                   prompt_tokens=args.prompt_tokens, kv_dtype=args.kv_dtype)
     except (PeerError, ValueError) as exc:
         print(f"kev bench peer: error: {exc}", file=sys.stderr)
         return 2
@@ -90,15 +93,15 @@ class KevSide:
     """One EngineCore holding one question at a time: EOS ignored, no prefix cache, no speculation, no
     batching window (nothing else could join anyway)."""
 
-    def __init__(self, model, max_tokens: int, kv_tokens: int = 0):
+    def __init__(self, model, max_tokens: int, kv_tokens: int = 0, kv_dtype: str = "auto"):
         from engine import EngineOptions
         from engine.core import EngineCore
         from engine.kv.cache import cache_dtype
 
-        kv_bytes = model.spec.kv_bytes_per_token(cache_dtype("auto", model.dtype))
+        kv_bytes = model.spec.kv_bytes_per_token(cache_dtype(kv_dtype, model.kv_dtype))
         options = EngineOptions(max_parallel_queries=1, batch_window_ms=0, prefix_caching=False, speculative="off",
                                 max_context=max_tokens + 16, kv_budget_bytes=max(kv_tokens, max_tokens + 64) * kv_bytes,
-                                max_tokens_per_step=max(2048, max_tokens))
+                                max_tokens_per_step=max(2048, max_tokens), kv_dtype=kv_dtype)
         self.core = EngineCore(model, options)
         self.kv_tokens = self.core.pool.num_blocks * self.core.block_size
         self.core.stop_token_ids = ()  # the answer runs its whole budget, as llama-server's ignore_eos
@@ -171,7 +174,7 @@ def check_same_tokens(model, server: LlamaServer, short: list[int]) -> dict[str,
 
 
 def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats: int = 5, new_tokens: int = 128,
-               prompt_tokens: int = 1000, out=print) -> dict:
+               prompt_tokens: int = 1000, kv_dtype: str = "auto", out=print) -> dict:
     import torch
 
     from kev_async.bench.process_memory import resident_mib
@@ -180,7 +183,7 @@ def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats:
     short = decode_prompt(model)
     long_prompts = prefill_prompts(model, prompt_tokens, repeats + 1)  # the first one warms up
     server_context = (info.get("default_generation_settings") or {}).get("n_ctx") or 0
-    kev = KevSide(model, max(prompt_tokens + 1, len(short) + new_tokens), kv_tokens=server_context)
+    kev = KevSide(model, max(prompt_tokens + 1, len(short) + new_tokens), kv_tokens=server_context, kv_dtype=kv_dtype)
     for warm_up in (kev.decode, server.complete):  # first-call allocations, on both sides
         warm_up(short, 4)
     kev.prefill(long_prompts[0])
@@ -191,7 +194,7 @@ def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats:
     pid = server.local_pid()
     result.update(runs=runs, same=_same_prefix(tokens["kev"][0], tokens["llama"][0]), new_tokens=new_tokens,
                   steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]), checked=checked,
-                  kv_tokens=kev.kv_tokens, kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
+                  kv_tokens=kev.kv_tokens, kv_dtype=str(kev.core.kv.k.dtype).removeprefix("torch."), kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
     _report(model, info, result, repeats, prompt_tokens, torch.get_num_threads(), out)
     return result
 
@@ -225,7 +228,7 @@ def _same_prefix(a: list[int], b: list[int]) -> int:
 def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, threads: int, out) -> None:
     out(f"machine: {cpu_name()}")
     out(f"kev: {model.name} ({model.weight_format} weights, {model.dtype} compute), torch threads {threads}, "
-        f"KV pool {r['kv_tokens']:,} tokens")
+        f"KV pool {r['kv_tokens']:,} tokens in {r['kv_dtype']}")
     out(f"llama.cpp: {info.get('model_path', '?')}, build {info.get('build_info', '?')}, "
         f"{info.get('total_slots', '?')} slot(s), context "
         f"{(info.get('default_generation_settings') or {}).get('n_ctx', '?')}, threads as its -t")
