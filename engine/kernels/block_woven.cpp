@@ -32,6 +32,21 @@ inline __m256i dot_acc2(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+
+// How many pieces' pair sums add in int16 before one vpmaddwd. Each pair is at most 2 x code x 127: Q5_0's
+// codes (at most 31) leave room for four (31,496), the same exact integers with half the widenings: 1.03-1.05x
+// on Qwen2.5-0.5B's Q5_0 matrices at 8-256 rows (AVX2-only AMD EPYC). Q4_K's (15) would take eight, but ran
+// 0.98-1.00x; Q4_0 and Q5_K are unmeasured. The rest keep two, as Q6_K (63) must.
+constexpr int int16_pieces(int64_t f) { return f == Q5_0 ? 4 : 2; }
+
+// acc + the dot of `count` pieces (u[0..count), the row's codes from xi), their pair sums added in int16.
+template <int N>
+inline __m256i dot_acc_n(__m256i acc, const __m256i* u, const int8_t* xi) {
+  __m256i pairs = _mm256_maddubs_epi16(u[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi)));
+  for (int i = 1; i < N; ++i)
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + i * 32))));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #endif
 
 struct Woven {
@@ -130,13 +145,16 @@ inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r
         const __m256i s = _mm256_sign_epi8(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(w.w + piece * 32)));
         first = _mm256_add_epi32(first, dot_u8s8(u[piece], s));
       }
-    } else {
+    } else if constexpr (F == Q6_K) {
       for (int piece = 0; piece < 8; piece += 2) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + piece * 32 + 32));
-        if (F == Q6_K && piece >= 4) second = dot_acc2(second, u[piece], x0, u[piece + 1], x1);
+        if (piece >= 4) second = dot_acc2(second, u[piece], x0, u[piece + 1], x1);
         else first = dot_acc2(first, u[piece], x0, u[piece + 1], x1);
       }
+    } else {
+      constexpr int N = int16_pieces(F);
+      for (int piece = 0; piece < 8; piece += N) first = dot_acc_n<N>(first, u + piece, xi + piece * 32);
     }
 #endif
     if constexpr (F == Q8_0 && !SIGNED_WEAVE)
