@@ -39,8 +39,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
                                                               "(default 400)")
     step.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
     step.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model's load default)")
-    step.add_argument("--kv-dtype", default="auto", choices=("auto", "fp16", "int8"),
-                      help="KV cache precision: auto (the model's dtype), fp16 or int8 (default auto)")
+    step.add_argument("--kv-dtype", default="auto", choices=("auto", "compute", "fp16", "int8"),
+                      help="KV cache precision: auto (the compute dtype; fp16 for a GGUF kept as stored), compute, fp16 "
+                           "or int8 (default auto)")
     step.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
     step.add_argument("--profile", action="store_true", help="torch.profiler over the largest batch's steps")
     step.add_argument("--matmul", default="auto", choices=("auto", "row_linear", "library", "both"),
@@ -146,7 +147,7 @@ def _prefilled_core(model, batch: int, context: int, steps: int, kv_dtype: str =
     budget = context + new_tokens
     options = dataclasses.replace(options, max_context=budget + 16,
                                   kv_budget_bytes=batch * (budget + 32) * model.spec.kv_bytes_per_token(
-                                      cache_dtype(kv_dtype, model.kv_dtype)))
+                                      cache_dtype(kv_dtype, model)))
     core = EngineCore(model, options)
     core.stop_token_ids = ()  # every row decodes for all timed steps
     ids = torch.randint(100, model.spec.vocab_size - 100, (batch, context), generator=torch.Generator().manual_seed(0))
@@ -208,7 +209,7 @@ def _report(rows: list[dict], model, context: int, steps: int, bandwidth: float,
     dtype = str(model.dtype).removeprefix("torch.")
     from engine.kv.cache import cache_dtype
 
-    kv = str(cache_dtype(kv_dtype, model.kv_dtype)).removeprefix("torch.")
+    kv = str(cache_dtype(kv_dtype, model)).removeprefix("torch.")
     kernel = model.weights.matmul_kernel
     out(f"model {model.name} ({dtype}, {model.weight_format} weights, {kv} KV, matmul {kernel}), "
         f"{torch.get_num_threads()} threads, every row at ~{context} tokens of context, median of {steps} decode "

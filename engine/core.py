@@ -52,7 +52,7 @@ class EngineCore:
         options = options or EngineOptions()
         self.model = model
         self.options = options
-        kv_dtype = cache_dtype(options.kv_dtype, model.kv_dtype)
+        kv_dtype = cache_dtype(options.kv_dtype, model)
         self.attention_choice = pick_attention(model, options, attention)
         if attention is None and self.attention_choice.backend == FLASH:
             attention = FlashAttention

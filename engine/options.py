@@ -55,7 +55,7 @@ class EngineOptions:
     prefix_caching: bool = False  # isolation.level system_prefix or shared: reuse cached full prompt blocks
     prefix_system_only: bool = False  # isolation.level system_prefix: only blocks inside the prompt's system part
     prefix_scope: PrefixScope = _key("isolation.prefix_scope")  # tenant: a prefix serves its own tenant only
-    kv_dtype: KvDtype = _key("kv_cache.dtype")  # auto (the model's dtype) | fp16 | int8 (per token and head scales)
+    kv_dtype: KvDtype = _key("kv_cache.dtype")  # auto | compute | fp16 | int8 (schemas/config.py)
     attention: AttentionBackend = _key("core.attention")  # auto | flash-attn | sdpa (engine/kernels/backend.py)
     audit: bool = False  # log a `forward.mask` summary per forward (isolation.debug or logging.level: debug)
     debug: bool = _key("isolation.debug")  # add the token-level routing table to each summary

@@ -32,7 +32,7 @@ SchedulingPolicy = Literal["fair", "fcfs", "shortest_prompt_first", "priority"]
 OverflowPolicy = Literal["wait", "queue", "reject"]  # what a full batch does to a new question
 PrefixScope = Literal["tenant", "global"]
 IsolationLevel = Literal["strict", "system_prefix", "shared"]  # what a question may read of another's KV blocks
-KvDtype = Literal["auto", "fp16", "int8"]
+KvDtype = Literal["auto", "compute", "fp16", "int8"]
 AttentionBackend = Literal["auto", "flash-attn", "sdpa"]  # auto: flash-attn where it can run, else torch SDPA
 UnknownFieldsPolicy = Literal["ignore", "report", "reject"]  # intake.unknown_fields
 
@@ -99,7 +99,8 @@ class KvCacheConfig(Section):
     num_blocks: Positive | None = None
     memory_budget_bytes: Positive | None = None
     memory_fraction: Fraction = 0.5
-    # auto: the model's precision; fp16: half of fp32's bytes (llama.cpp's default); int8: ~4x fp32's tokens per byte
+    # auto: the compute precision, but fp16 for a GGUF kept as stored; compute: the compute precision always;
+    # fp16: half of fp32's bytes (llama.cpp's default cache); int8: ~4x fp32's tokens per byte
     dtype: KvDtype = "auto"
 
 

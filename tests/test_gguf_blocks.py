@@ -111,6 +111,21 @@ def test_a_gguf_s_tokenizer_loads_as_the_generic_fast_class(stored):
         assert stored.tokenizer(text)["input_ids"] == own(text)["input_ids"]
 
 
+def test_a_gguf_kept_as_stored_caches_fp16_by_default_and_its_compute_dtype_when_asked(stored, harness):
+    """kv_cache.dtype auto: fp16 under fp32 compute, as llama.cpp keeps a file's cache (half the bytes);
+    compute: the model's fp32. Either way a question's greedy answer is its own alone or packed."""
+    from engine import EngineCore
+
+    assert EngineCore(stored, harness.tiny_options()).kv.k.dtype == torch.float16
+    assert EngineCore(stored, harness.tiny_options(kv_dtype="compute")).kv.k.dtype == torch.float32
+    question = harness.Q("q", PROMPT, dict(max_new_tokens=8, temperature=0.0))
+    others = [harness.Q(f"n{i}", PROMPT[i:] * 3, dict(max_new_tokens=6, temperature=0.0)) for i in range(1, 4)]
+    for kv in ("auto", "compute"):
+        solo = harness.run_core(stored, [question], harness.tiny_options(kv_dtype=kv))
+        packed = harness.run_core(stored, others + [question], harness.tiny_options(kv_dtype=kv))
+        assert solo.tokens("q") == packed.tokens("q"), kv
+
+
 def test_full_and_int8_still_load_the_file(gguf):
     ids = torch.tensor(PROMPT[:4])
     for weights in ("full", "int8"):

@@ -23,17 +23,18 @@ from engine.attention_form import AttentionForm
 from schemas import DEFAULT_CONFIG, KvDtype
 
 MIB = 1 << 20
-KV_DTYPES = get_args(KvDtype)  # auto: the model's kv_dtype; fp16; int8: quantised per token and head
+KV_DTYPES = get_args(KvDtype)  # auto: the model's kv_dtype; compute; fp16; int8: quantised per token and head
 # fp16 scales: 11 significant bits (far finer than the int8 step they scale) in 2 bytes, so a head of
 # 16 values still fits 3.5x the tokens of fp32 per byte (64 values: 3.9x).
 SCALE_DTYPE = torch.float16
 
 
-def cache_dtype(kv_dtype: str, auto: torch.dtype) -> torch.dtype:
-    """The storage dtype for `kv_cache.dtype`; `auto`: what "auto" stores (a model's `kv_dtype`)."""
+def cache_dtype(kv_dtype: str, model) -> torch.dtype:
+    """The storage dtype `kv_cache.dtype` names for `model`: auto its `kv_dtype` (the compute dtype, but fp16
+    under a GGUF kept as stored), compute its compute dtype, fp16, int8."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache.dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    return {"int8": torch.int8, "fp16": torch.float16}.get(kv_dtype, auto)
+    return {"int8": torch.int8, "fp16": torch.float16, "compute": model.dtype}.get(kv_dtype, model.kv_dtype)
 
 
 def kv_bytes_per_token(spec, dtype: torch.dtype) -> int:

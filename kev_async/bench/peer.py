@@ -58,9 +58,9 @@ def register(kinds: argparse._SubParsersAction) -> None:
                       help="Kev's compute precision; for a converted GGUF give the server that dtype (default fp32)")
     peer.add_argument("--weights", choices=("auto", "full", "int8"), default="auto",
                       help="Kev's weights: auto keeps a GGUF's block formats as stored (default auto)")
-    peer.add_argument("--kv-dtype", choices=("auto", "fp16", "int8"), default="auto",
+    peer.add_argument("--kv-dtype", choices=("auto", "compute", "fp16", "int8"), default="auto",
                       help="Kev's KV cache: auto is fp16 for a GGUF kept as stored (llama-server's default cache), "
-                           "else the compute dtype (default auto)")
+                           "else the compute dtype; compute: the compute dtype always (default auto)")
     peer.add_argument("--threads", type=int, default=None,
                       help="Kev's torch threads; match the server's -t (default: all cores, at most 16)")
     peer.add_argument("--repeats", type=positive_int("repeats"), default=5, help="runs per side; medians (default 5)")
@@ -98,7 +98,7 @@ class KevSide:
         from engine.core import EngineCore
         from engine.kv.cache import cache_dtype
 
-        kv_bytes = model.spec.kv_bytes_per_token(cache_dtype(kv_dtype, model.kv_dtype))
+        kv_bytes = model.spec.kv_bytes_per_token(cache_dtype(kv_dtype, model))
         options = EngineOptions(max_parallel_queries=1, batch_window_ms=0, prefix_caching=False, speculative="off",
                                 max_context=max_tokens + 16, kv_budget_bytes=max(kv_tokens, max_tokens + 64) * kv_bytes,
                                 max_tokens_per_step=max(2048, max_tokens), kv_dtype=kv_dtype)
