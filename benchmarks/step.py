@@ -40,8 +40,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     step.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
     step.add_argument("--dtype", default=None, help="fp32 | bf16 (default: the model's load default)")
     step.add_argument("--kv-dtype", default="auto", choices=("auto", "compute", "fp16", "int8"),
-                      help="KV cache precision: auto (the compute dtype; fp16 for a GGUF kept as stored), compute, fp16 "
-                           "or int8 (default auto)")
+                      help="KV cache precision: auto (the compute dtype; fp16 for a GGUF kept as stored under fp32), "
+                           "compute, fp16 or int8 (default auto)")
     step.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 16)")
     step.add_argument("--profile", action="store_true", help="torch.profiler over the largest batch's steps")
     step.add_argument("--matmul", default="auto", choices=("auto", "row_linear", "library", "both"),

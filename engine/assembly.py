@@ -9,6 +9,7 @@ import structlog
 from engine.kernels.backend import BackendChoice, choose_attention, log_choice, tf32_matmul
 from engine.kernels.flash import flash_installed
 from engine.kernels.rowwise import RowwiseAttention
+from engine.kv.cache import cache_dtype
 from engine.options import EngineOptions
 from engine.schedule.scheduler import SchedulerLimits
 from engine.schedule.tenants import Tenants
@@ -24,7 +25,8 @@ def pick_attention(model, options: EngineOptions, given) -> BackendChoice:
     if given is not None:  # a test or bench names its backend: only the slow paths of dtype and cache remain
         kept = tuple(slow for slow in choice.slow_paths if slow.name != "flash_attn_missing")
         choice = BackendChoice(given.name, "given by the caller", kept)
-    log_choice(choice, model.device, model.dtype, options.kv_dtype, options.deterministic)
+    log_choice(choice, model.device, model.dtype, options.kv_dtype, options.deterministic,
+               kv_stored=cache_dtype(options.kv_dtype, model))
     return choice
 
 

@@ -99,8 +99,9 @@ class KvCacheConfig(Section):
     num_blocks: Positive | None = None
     memory_budget_bytes: Positive | None = None
     memory_fraction: Fraction = 0.5
-    # auto: the compute precision, but fp16 for a GGUF kept as stored; compute: the compute precision always;
-    # fp16: half of fp32's bytes (llama.cpp's default cache); int8: ~4x fp32's tokens per byte
+    # auto: the compute precision, but fp16 for a GGUF kept as stored under fp32; compute: the compute precision
+    # always; fp16: half of fp32's bytes under fp32 compute (llama.cpp's default cache); int8: ~4x fp32's tokens
+    # per byte
     dtype: KvDtype = "auto"
 
 

@@ -114,9 +114,13 @@ def test_a_gguf_s_tokenizer_loads_as_the_generic_fast_class(stored):
 def test_a_gguf_kept_as_stored_caches_fp16_by_default_and_its_compute_dtype_when_asked(stored, harness):
     """kv_cache.dtype auto: fp16 under fp32 compute, as llama.cpp keeps a file's cache (half the bytes);
     compute: the model's fp32. Either way a question's greedy answer is its own alone or packed."""
+    from structlog.testing import capture_logs
+
     from engine import EngineCore
 
-    assert EngineCore(stored, harness.tiny_options()).kv.k.dtype == torch.float16
+    with capture_logs() as logs:
+        assert EngineCore(stored, harness.tiny_options()).kv.k.dtype == torch.float16
+    assert [e["kv_stored"] for e in logs if e["event"] == "attention.backend"] == ["fp16"]
     assert EngineCore(stored, harness.tiny_options(kv_dtype="compute")).kv.k.dtype == torch.float32
     question = harness.Q("q", PROMPT, dict(max_new_tokens=8, temperature=0.0))
     others = [harness.Q(f"n{i}", PROMPT[i:] * 3, dict(max_new_tokens=6, temperature=0.0)) for i in range(1, 4)]

@@ -151,6 +151,7 @@ def test_an_engine_logs_its_backend_once_at_start(tiny_model):
     lines = [e for e in logs if e["event"] == "attention.backend"]
     assert [(e["backend"], e["device"], e["dtype"], e["kv_dtype"], e["mode"]) for e in lines] == [
         ("sdpa", "cpu", "fp32", "auto", "fast"), ("fixed-tiles", "cpu", "fp32", "auto", "deterministic")]
+    assert [e["kv_stored"] for e in lines] == ["fp32", "fp32"]  # what "auto" stores for this model
     assert not [e for e in logs if e["event"] == "slow_path"]
 
 

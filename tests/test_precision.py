@@ -124,6 +124,11 @@ def test_fp16_kv_pool_holds_twice_fp32_s_tokens_and_the_engine_stores_fp16(model
     assert core.kv.k.dtype == core.kv.v.dtype == torch.float16 and core.kv.compute_dtype == torch.float32
 
 
+def test_an_fp16_cache_under_bf16_compute_is_refused_in_words(models, harness):
+    with pytest.raises(ValueError, match="fp16 under bf16 compute would save nothing.*kv_cache.dtype auto"):
+        EngineCore(models["llama", "bf16"], harness.tiny_options(kv_dtype="fp16"))
+
+
 def test_int8_kv_engine_stores_int8(models, harness):
     core = EngineCore(models["llama", "fp32"], harness.tiny_options(kv_dtype="int8"))
     assert core.kv.k.dtype == torch.int8 and core.kv.k_scale.shape == core.kv.k.shape[:3]

@@ -145,10 +145,12 @@ def tf32_matmul() -> bool:
 
 
 def log_choice(choice: BackendChoice, device: torch.device, dtype: torch.dtype, kv_dtype: str,
-               deterministic: bool) -> None:
-    """One `attention.backend` line, then one `slow_path` warning per slow path."""
+               deterministic: bool, kv_stored: torch.dtype | None = None) -> None:
+    """One `attention.backend` line (with `kv_stored`: what the cache holds, when the engine knows it), then
+    one `slow_path` warning per slow path."""
     mode = "deterministic" if deterministic else "fast"
+    stored = {} if kv_stored is None else {"kv_stored": dtype_name(kv_stored)}
     log.info("attention.backend", backend=choice.backend, device=str(device), dtype=dtype_name(dtype),
-             kv_dtype=kv_dtype, mode=mode, reason=choice.reason)
+             kv_dtype=kv_dtype, **stored, mode=mode, reason=choice.reason)
     for slow in choice.slow_paths:
         log.warning("slow_path", name=slow.name, detail=slow.detail, backend=choice.backend, device=str(device))

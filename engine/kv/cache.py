@@ -34,6 +34,9 @@ def cache_dtype(kv_dtype: str, model) -> torch.dtype:
     under a GGUF kept as stored), compute its compute dtype, fp16, int8."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache.dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "fp16" and model.dtype == torch.bfloat16:
+        raise ValueError("kv_cache.dtype fp16 under bf16 compute would save nothing (bf16's own cache takes the "
+                         "same bytes) and lose the fast attention paths: use kv_cache.dtype auto")
     return {"int8": torch.int8, "fp16": torch.float16, "compute": model.dtype}.get(kv_dtype, model.kv_dtype)
 
 

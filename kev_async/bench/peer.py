@@ -59,8 +59,8 @@ def register(kinds: argparse._SubParsersAction) -> None:
     peer.add_argument("--weights", choices=("auto", "full", "int8"), default="auto",
                       help="Kev's weights: auto keeps a GGUF's block formats as stored (default auto)")
     peer.add_argument("--kv-dtype", choices=("auto", "compute", "fp16", "int8"), default="auto",
-                      help="Kev's KV cache: auto is fp16 for a GGUF kept as stored (llama-server's default cache), "
-                           "else the compute dtype; compute: the compute dtype always (default auto)")
+                      help="Kev's KV cache: auto is fp16 for a GGUF kept as stored under fp32 compute (llama-server's "
+                           "default cache), else the compute dtype; compute: the compute dtype always (default auto)")
     peer.add_argument("--threads", type=int, default=None,
                       help="Kev's torch threads; match the server's -t (default: all cores, at most 16)")
     peer.add_argument("--repeats", type=positive_int("repeats"), default=5, help="runs per side; medians (default 5)")
@@ -194,7 +194,8 @@ def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats:
     pid = server.local_pid()
     result.update(runs=runs, same=_same_prefix(tokens["kev"][0], tokens["llama"][0]), new_tokens=new_tokens,
                   steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]), checked=checked,
-                  kv_tokens=kev.kv_tokens, kv_dtype=str(kev.core.kv.k.dtype).removeprefix("torch."), kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
+                  kv_tokens=kev.kv_tokens, kv_dtype=str(kev.core.kv.k.dtype).removeprefix("torch."),
+                  kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
     _report(model, info, result, repeats, prompt_tokens, torch.get_num_threads(), out)
     return result
 

@@ -136,7 +136,7 @@ def _add_engine_flags(group) -> None:
     group.add_argument("--dtype", default=None, help="weights/activations precision for load_model, e.g. fp32, bf16")
     group.add_argument("--weights", default=None, help="weight quantisation, e.g. int8 (where Kev has it)")
     group.add_argument("--kv-dtype", default=None, help="KV cache precision: auto (the compute dtype; fp16 for a "
-                                                        "GGUF kept as stored), compute, fp16 or int8")
+                                                        "GGUF kept as stored under fp32), compute, fp16 or int8")
     group.add_argument("--matmul", default=None, choices=("auto", "row_linear", "library"),
                        help="core.matmul: the CPU kernel for weight matmuls (default: auto)")
     group.add_argument("--prompt-chunk-tokens", type=_chunk_sizes, default=None, metavar="N[,N...]",
