@@ -5,6 +5,7 @@ tokens only, rejected drafts gone from the drafter's cache."""
 import random
 
 import pytest
+import torch
 
 from engine.speculate.draft_model import DraftModel, DraftModelRefused
 
@@ -63,6 +64,17 @@ def test_a_layer_view_shares_the_targets_weights(tiny_models, harness):
     assert drafter.weights.layers[0] is core.runner.weights.layers[0]
     assert drafter.weights.lm_head is core.runner.weights.lm_head and len(drafter.weights.layers) == 1
     assert drafter.kv.k.shape[0] == 1  # a cache for its one layer only
+
+
+def test_over_an_fp16_cache_the_draft_caches_fp16_too_and_answers_are_unchanged(tiny_models, harness):
+    model = tiny_models[KIND].kev
+    questions = _looping(harness, 4, seed=207)
+    off = harness.run_core(model, questions, harness.tiny_options(kv_dtype="fp16"))
+    on = harness.run_core(model, questions, harness.tiny_options(kv_dtype="fp16", draft_layers=1, **ALWAYS))
+    _same(off, on, questions)
+    drafter = on.core.scheduler.speculation.drafter
+    assert drafter.kv.k.dtype == on.core.kv.k.dtype == torch.float16
+    assert on.core.scheduler.speculation.num_draft_tokens > 0
 
 
 def test_preemption_chunked_prefill_and_seeded_sampling(tiny_models, harness, twin_dir):

@@ -49,14 +49,14 @@ class DraftModel:
     method = "draft_model"  # the metrics' and the audit's name for it
 
     def __init__(self, weights, spec, device: torch.device, dtype: torch.dtype, max_draft_tokens: int,
-                 capacity_tokens: int, block_size: int, name: str):
+                 capacity_tokens: int, block_size: int, name: str, kv_dtype: torch.dtype | None = None):
         self.weights = weights
         self.name = name
         self.device = device
         self.max_draft_tokens = max_draft_tokens
         self.block_size = block_size
         num_blocks = max(1, -(-capacity_tokens // block_size))
-        self.kv = KVCache(spec, num_blocks, block_size, dtype, device)
+        self.kv = KVCache(spec, num_blocks, block_size, kv_dtype or dtype, device, compute_dtype=dtype)
         self.attention = TorchAttention(self.kv)
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest block first
         self.held: dict[str, _Held] = {}  # by question id, least recently drafted first

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 import structlog
+import torch
 
+from engine.kv.cache import cache_dtype
 from engine.speculate.draft_model import DraftModel, DraftModelRefused, check_tokenizer, layer_view
 from engine.speculate.ngram import NgramDrafter
 from engine.speculate.probe import BUDGET_S, measure, probe_rows, target_step
@@ -50,8 +52,11 @@ def _draft_model(options, model, weights, capacity_tokens: int, block_size: int)
         weights, spec, name = draft.weights, draft.spec, draft.name if layers is None else f"{draft.name}[:{layers} layers]"
     if layers is not None:
         weights, spec = layer_view(weights, spec, layers)
+    # The draft's cache keeps the target's fp16 storage (kv_cache.dtype fp16, or auto on a GGUF kept as stored);
+    # int8 needs key centres the draft has no use for: it caches in the compute dtype then, as otherwise.
+    kv = torch.float16 if cache_dtype(options.kv_dtype, model) == torch.float16 else model.dtype
     return DraftModel(weights, spec, model.device, model.dtype, options.max_draft_tokens, capacity_tokens,
-                      block_size, name)
+                      block_size, name, kv_dtype=kv)
 
 
 def build_speculation(options, model, weights, runner, pool) -> Speculation | None:
