@@ -65,6 +65,7 @@ class EngineCore:
         self.kv = KVCache(model.spec, num_blocks, self.block_size, kv_dtype, model.device, model.dtype, key_center)
         # Each engine gets its own view of the shared weights: its math mode is its own.
         weights = copy.copy(model.weights)
+        weights.rotary.reach(options.max_context)  # every position a question here may take (shared by the copies)
         weights.use(math_mode(options.deterministic))
         self.runner = ModelRunner(model, self.kv, attention=attention(self.kv) if attention else None,
                                   weights=weights)

@@ -45,6 +45,7 @@ def key_means(model) -> torch.Tensor:
 
     forms = model.spec.attention or (AttentionForm.plain(model.spec.head_dim),) * model.spec.num_layers
     positions = torch.arange(len(ids), device=model.device)
+    model.weights.rotary.reach(len(ids))
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys.append(k.float().mean(0))

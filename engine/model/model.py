@@ -13,6 +13,7 @@ from engine.attention_form import AttentionForm
 from engine.kernels.backend import check_deterministic_device
 from engine.kernels.cpu_features import compute_dtype
 from engine.kernels.heap import give_back_freed_pages
+from engine.model.rotary import FIRST_REACH, RotaryTables, rows
 from engine.kernels.omp_pool import release_thread_pool
 from engine.kernels.paged_decode import kernel
 from engine.kv.cache import kv_bytes_per_token
@@ -139,12 +140,12 @@ def load_model(source: str | os.PathLike, *, device: str = "auto", dtype: str | 
     # before the weights arrive, not on top of them at the load's peak.
     tokenizer = load_tokenizer(path, from_gguf=gguf is not None)
     give_back_freed_pages()
+    rotary = rotary_tables(config, spec, dtype_, device_)
     if stored:
         state = GgufState(gguf, config, dtype_, load_name_map(path))
-        matrices = Transformer.from_state_dict(spec, state, rope_tables(config, spec), device_, dtype_,
-                                               mode=math_mode(deterministic))
+        matrices = Transformer.from_state_dict(spec, state, rotary, device_, dtype_, mode=math_mode(deterministic))
     else:
-        matrices = Transformer.from_safetensors(spec, path, rope_tables(config, spec), device_, dtype_,
+        matrices = Transformer.from_safetensors(spec, path, rotary, device_, dtype_,
                                                 mode=math_mode(deterministic), int8=weight_format == "int8",
                                                 pack_fp32=pack_fp32, matmul_kernel=matmul)
     if device_.type == "cpu":  # build or load the decode kernel now, with the model, not at the first decode
@@ -237,8 +238,21 @@ def _rope_parameters(config) -> dict[str, dict]:
 
 
 def rope_tables(config, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """cos/sin [positions, rotary_dim] in float32 per rotary table (spec.layer_rope names each layer's),
-    computed exactly as transformers does (llama3, linear and yarn scaling too)."""
+    """cos/sin [max_position, rotary_dim] in float32 per rotary table, whole (tests build models from them)."""
+    return {key: rows(inv_freq, scaling, 0, spec.max_position, spec.rope_interleaved)
+            for key, (inv_freq, scaling) in rope_frequencies(config, spec).items()}
+
+
+def rotary_tables(config, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> RotaryTables:
+    """The model's rotary tables, their first rows computed (engine/model/rotary.py)."""
+    rotary = RotaryTables(rope_frequencies(config, spec), spec.max_position, spec.rope_interleaved, dtype, device)
+    rotary.reach(FIRST_REACH)
+    return rotary
+
+
+def rope_frequencies(config, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, float]]:
+    """Per rotary table (spec.layer_rope names each layer's): inverse frequencies and attention scaling,
+    exactly as transformers computes them (llama3, linear and yarn scaling too)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # seconds to import: only at model load
 
     tables, config = {}, text_config(config)
@@ -255,10 +269,7 @@ def rope_tables(config, spec: ModelSpec) -> dict[str, tuple[torch.Tensor, torch.
         else:
             layer_type = None if key == "all" else key
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
-        positions = torch.arange(spec.max_position, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :].float()
-        emb = torch.repeat_interleave(freqs, 2, dim=-1) if spec.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
-        tables[key] = (emb.cos() * scaling, emb.sin() * scaling)
+        tables[key] = (inv_freq, scaling)
     return tables
 
 

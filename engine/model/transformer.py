@@ -22,7 +22,8 @@ from engine.kernels.packed_weight import PackedWeight, can_pack
 from engine.kernels.quant import Int8Weight
 from engine.kernels.row_linear import RowWeight
 from engine.model.layer_weights import MATRICES, WEIGHT_PREFIXES, LayerWeights, read_layer
-from engine.model.layers import apply_rope, embed, gelu_tanh_mul, rms_norm, rotate, signed_sin, swiglu
+from engine.model.layers import apply_rope, embed, gelu_tanh_mul, rms_norm, rotate, swiglu
+from engine.model.rotary import RotaryTables
 
 # Attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,14 +55,16 @@ def _unpacked(matrix):
 
 class Transformer:
     def __init__(self, spec, embed: torch.Tensor, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], mode: MathMode = FAST):
+                 lm_head: torch.Tensor, rope: "RotaryTables | dict[str, tuple[torch.Tensor, torch.Tensor]]",
+                 mode: MathMode = FAST):
         self.spec = spec
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        # Per rotary table, cos and the signed sine apply_rope takes (the plain sine is not needed after this).
-        self.ropes = {key: (cos, signed_sin(sin, spec.rope_interleaved)) for key, (cos, sin) in rope.items()}
+        # Per rotary table, cos and the signed sine apply_rope takes; rows computed as positions reach them.
+        self.rotary = rope if isinstance(rope, RotaryTables) else RotaryTables.whole(rope, spec.rope_interleaved)
+        self.ropes = self.rotary.tables
         self.layer_rope = spec.layer_rope or ("all",) * spec.num_layers
         self.cos, self.sin_signed = self.ropes[self.layer_rope[0]]  # the layer stack's: one table for every layer
         # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as transformers does.
@@ -183,8 +186,9 @@ class Transformer:
         lm_head = embed if spec.tie_embeddings or "lm_head.weight" not in raw else get("lm_head.weight")
         if isinstance(rope, tuple):  # one table for every layer (cos, sin)
             rope = {"all": rope}
-        tables = {key: tuple(t.to(device=device, dtype=dtype) for t in pair) for key, pair in rope.items()}
-        model = cls(spec, embed, layers, norm(decoder + "norm.weight"), lm_head, tables)
+        if not isinstance(rope, RotaryTables):  # whole tables (tests): in the model's dtype, on its device
+            rope = {key: tuple(t.to(device=device, dtype=dtype) for t in pair) for key, pair in rope.items()}
+        model = cls(spec, embed, layers, norm(decoder + "norm.weight"), lm_head, rope)
         probes = [layers[0].gate_up, layers[0].down]
         if isinstance(probes[0], BlockWeight):  # a GGUF's blocks: block_linear, row_linear's counterpart
             model.matmul = matmul.stored_blocks(probes[0].isa)
@@ -205,6 +209,8 @@ class Transformer:
 
         `lora`: each adapter's rows and weights for this forward; None (no adapter anywhere) costs nothing.
         """
+        if positions.device.type == "cpu" and positions.numel():  # (engines reach their max_context at start)
+            self.rotary.reach(int(positions.max()) + 1)
         hidden = embed(self.embed, input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale

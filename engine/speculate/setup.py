@@ -48,6 +48,7 @@ def _draft_model(options, model, weights, capacity_tokens: int, block_size: int)
         from engine.model.model import load_model  # reads files: only when a draft model is asked for
 
         draft = load_model(source, device=str(model.device), dtype=model.dtype, deterministic=options.deterministic)
+        draft.weights.rotary.reach(options.max_context)
         check_tokenizer(model, draft, str(source))
         weights, spec, name = draft.weights, draft.spec, draft.name if layers is None else f"{draft.name}[:{layers} layers]"
     if layers is not None:
