@@ -70,6 +70,8 @@ def test_the_table_puts_kev_beside_the_servers_timings(tiny_model, tiny_model_di
     paired = ", ".join(f"{4.0 / ms:.2f}" for ms in result["runs"]["kev decode"])
     assert f"  kev speed / llama.cpp within each repeat: decode {paired} (median " in out
     assert "greedy tokens, kev vs llama.cpp: " in out and "/12); every repeat the same answer on each side: yes" in out
+    weights = tiny_model.weights.nbytes / 2**20
+    assert f"  kev now: weights {weights:,.0f}, KV pool " in out and "(float32), the rest " in out
 
 
 @pytest.fixture(scope="module")

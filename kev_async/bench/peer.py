@@ -38,7 +38,8 @@ within each repeat so a busy machine slows both alike. Kev's KV pool holds as ma
 context (/props n_ctx). Printed: the medians of --repeats, each ratio as Kev's speed over llama.cpp's
 (above 1: Kev is faster), the CPU, how many greedy tokens match before the answers part (quantized
 weights: the two sides round differently), and each process's peak and current resident memory
-(/proc/PID/status VmHWM and VmRSS; the server's when it listens on this host).
+(/proc/PID/status VmHWM and VmRSS; the server's when it listens on this host), Kev's split into its weights,
+its KV pool and the rest.
 
 Give --model the GGUF file the server runs, e.g.
   llama-server -m qwen2.5-coder-0.5b-instruct-q4_k_m.gguf -np 1 -c 4096 -t 2 --port 8081
@@ -195,7 +196,8 @@ def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats:
     result.update(runs=runs, same=_same_prefix(tokens["kev"][0], tokens["llama"][0]), new_tokens=new_tokens,
                   steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]), checked=checked,
                   kv_tokens=kev.kv_tokens, kv_dtype=str(kev.core.kv.k.dtype).removeprefix("torch."),
-                  kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid))
+                  kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid),
+                  kev_parts={"weights": model.weights.nbytes / 2**20, "KV pool": kev.core.kv.nbytes / 2**20})
     _report(model, info, result, repeats, prompt_tokens, torch.get_num_threads(), out)
     return result
 
@@ -254,6 +256,11 @@ def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, thread
     out(f"greedy tokens, kev vs llama.cpp: {verdict} ({r['same']}/{n}); "
         f"every repeat the same answer on each side: {'yes' if r['steady'] else 'NO'}")
     out(_memory_line(r["kev_memory"], r["llama_memory"]))
+    if r["kev_memory"]:  # where Kev's resident size goes: the weights and the pool exactly, the rest by difference
+        parts = r["kev_parts"]
+        rest = r["kev_memory"]["now"] - sum(parts.values())
+        out("  kev now: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in parts.items())
+            + f" ({r['kv_dtype']}), the rest {rest:,.0f} (Python, torch, the tokenizer, step buffers)")
 
 
 def _memory_line(kev: dict | None, llama: dict | None) -> str:
