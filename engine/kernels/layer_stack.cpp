@@ -251,7 +251,8 @@ torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weigh
   for (const auto& t : {positions, slots, lengths})
     TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous() && t.numel() == count, "layer_stack: [T] int64");
   // fp32 rows may keep an fp16 cache (kv_cache.dtype fp16)
-  const bool half_cache = !caches.empty() && caches[0].scalar_type() == at::ScalarType::Half && dtype == at::ScalarType::Float;
+  const bool half_cache =
+      !caches.empty() && caches[0].scalar_type() == at::ScalarType::Half && dtype == at::ScalarType::Float;
   for (const auto& c : caches)
     TORCH_CHECK((c.scalar_type() == dtype || (half_cache && c.scalar_type() == at::ScalarType::Half)) &&
                     c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads && c.size(2) == dim,
@@ -273,11 +274,11 @@ torch::Tensor layer_stack(torch::Tensor hidden, std::vector<torch::Tensor> weigh
     const torch::Tensor* w = weights.data() + layer * PER_LAYER;
     const auto& k_cache = caches[2 * layer];
     const auto& v_cache = caches[2 * layer + 1];
-    if (half_cache) {
-      attention_half<float, at::Half>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
-      mlp_half<float>(h, w, shape);
-    } else if (dtype == at::ScalarType::Float) {
-      attention_half<float, float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
+    if (dtype == at::ScalarType::Float) {
+      if (half_cache)
+        attention_half<float, at::Half>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
+      else
+        attention_half<float, float>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);
       mlp_half<float>(h, w, shape);
     } else {
       attention_half<at::BFloat16, at::BFloat16>(h, w, k_cache, v_cache, rows, shape, cos, sin_signed, windows[layer]);

@@ -54,8 +54,7 @@ class LayerStack:
     def runs(self, attend) -> bool:
         """Whether this step's attention is the stack's: row-wise over an unquantised cache of the rows' dtype
         (fp32 rows: also fp16)."""
-        cache = attend.kv.k.dtype if isinstance(attend, RowwiseStep) and not attend.kv.quantized else None
-        return cache == self.dtype or (cache == torch.float16 and self.dtype == torch.float32)
+        return isinstance(attend, RowwiseStep) and attend.kv.reads_plain and attend.kv.compute_dtype == self.dtype
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attend: RowwiseStep) -> torch.Tensor:
         rows = attend.rows

@@ -63,8 +63,7 @@ def usable(kv) -> bool:
     """Whether decodes over this cache can take the kernel: CPU, fp32 or bf16 queries over a cache of
     their dtype or int8 (fp32 ones also fp16), a compiled head shape."""
     return (kv.k.device.type == "cpu" and kv.compute_dtype in (torch.float32, torch.bfloat16)
-            and (kv.quantized or kv.k.dtype == kv.compute_dtype
-                 or (kv.k.dtype == torch.float16 and kv.compute_dtype == torch.float32))
+            and (kv.quantized or kv.reads_plain)
             and compiled_shape(kv.k.shape[-1], kv.group) and kernel() is not None)
 
 

@@ -125,6 +125,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.quantized = dtype == torch.int8
         self.compute_dtype = compute_dtype or (torch.float32 if self.quantized else dtype)
+        # Rows a kernel may read as they lie: the compute dtype's own values, or fp16 widened exactly to fp32.
+        self.reads_plain = dtype == self.compute_dtype or (dtype, self.compute_dtype) == (torch.float16, torch.float32)
         if self.quantized:
             self.k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
             self.v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
