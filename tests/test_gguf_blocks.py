@@ -99,16 +99,26 @@ def test_greedy_answers_solo_equal_packed(stored, harness):
     assert all(torch.equal(a, b) for a, b in zip(packed.logits["victim"], solo.logits["victim"]))
 
 
-def test_a_gguf_s_tokenizer_loads_as_the_generic_fast_class(stored):
+def test_a_gguf_s_tokenizer_loads_as_the_generic_fast_class(stored, tmp_path):
     """engine/model/model.py's load_tokenizer: the model class's tokenizer (Qwen2Tokenizer, GemmaTokenizer)
     would add its vocabulary as Python objects; the ids are the same (tests/test_real_gemma.py checks a real
-    one)."""
+    one). The tiny file's own class is already the generic one, so a copy of its description names Qwen's."""
+    import json
+    import shutil
+
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from engine.model.model import load_tokenizer
 
     own = AutoTokenizer.from_pretrained(stored.path)
     assert type(stored.tokenizer) is PreTrainedTokenizerFast
     for text in ("The capital of France is", "  two spaces\tand a tab", "def f(x):\n    return x"):
         assert stored.tokenizer(text)["input_ids"] == own(text)["input_ids"]
+    qwen = shutil.copytree(stored.path, tmp_path / "described")
+    config = json.loads((qwen / "tokenizer_config.json").read_text())
+    (qwen / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert type(AutoTokenizer.from_pretrained(qwen)).__name__ == "Qwen2Tokenizer"
+    assert type(load_tokenizer(qwen, from_gguf=True)) is PreTrainedTokenizerFast
 
 
 def test_a_gguf_kept_as_stored_caches_fp16_by_default_and_its_compute_dtype_when_asked(stored, harness):
