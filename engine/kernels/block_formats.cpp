@@ -201,6 +201,21 @@ inline void decode_plain(int64_t f, const uint8_t* row, int64_t g, int64_t nbloc
 inline float lanes_sum(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// lanes_sum of eight rows' accumulators (a: 8 x 8 floats), row i's in lane i: the same additions on the same
+// values, only side by side (rows i and i + 4 share a register, then four registers' halves interleave).
+inline __m256 lanes_sums8(const float* a) {
+  __m256 half[4];  // rows i (low) and i + 4 (high): a[k] + a[k + 4] for k < 4
+  for (int i = 0; i < 4; ++i) {
+    const __m256 lo = _mm256_loadu_ps(a + i * 8), hi = _mm256_loadu_ps(a + (i + 4) * 8);
+    half[i] = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+  // per 128-bit half: (x0 + x2) and (x1 + x3) of two rows, then of the four rows side by side
+  const __m256 u = _mm256_add_ps(_mm256_unpacklo_ps(half[0], half[1]), _mm256_unpackhi_ps(half[0], half[1]));
+  const __m256 v = _mm256_add_ps(_mm256_unpacklo_ps(half[2], half[3]), _mm256_unpackhi_ps(half[2], half[3]));
+  const __m256d ud = _mm256_castps_pd(u), vd = _mm256_castps_pd(v);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ud, vd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ud, vd)));
+}
+
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);

@@ -82,24 +82,62 @@ inline Layout read_header(const torch::Tensor& packed) {
   return layout;
 }
 
+// `outputs` outputs' values for a chunk's rows, from their accumulators ([output][row][8]), written to y a row
+// at a time through a small buffer: written an output at a time, y's row stride put the chunk's lines into a
+// few L1 sets and every store missed. Not inlined, as store_four (block_woven.cpp).
+template <typename Y>
+__attribute__((noinline)) void store_rows(const float* acc, int64_t count, int64_t outputs, Y* y, int64_t n) {
+  float out[ROW_CHUNK][TILE];
+  for (int64_t o = 0; o < outputs; ++o) {
+    const float* a = acc + o * count * 8;
+    int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; r + 8 <= count; r += 8) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, lanes_sums8(a + r * 8));
+      for (int i = 0; i < 8; ++i) out[r + i][o] = sums[i];
+    }
+#endif
+    for (; r < count; ++r) out[r][o] = lanes_sum(a + r * 8);
+  }
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t o = 0; o < outputs; ++o) y[r * n + o] = static_cast<Y>(out[r][o]);
+}
+
 // Outputs [begin, end) of one part against every row, a chunk of rows at a time, group by group: each
 // weight group is decoded once per chunk, and the chunk's records for that group (count x 416 bytes) stay
 // in L1 while the task's outputs use them. Every output keeps its own chains in acc: the order of a
 // row's sums is fixed by K alone, whichever path (pairs, woven, accumulate) a chunk takes.
 template <int64_t F, typename Y>
 void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part& part, int64_t k, Y* y, int64_t n,
-                  int64_t begin, int64_t end, Group& g, float* acc) {
+                  int64_t begin, int64_t end, Group& g, float* acc, Prepared* prepared) {
   const int64_t nblocks = k / block_elems(F), row_bytes = nblocks * block_bytes(F), groups = c.blocks / 8;
   const uint8_t* rows_of_part = base + part.offset;
 #if defined(__AVX2__) && defined(__FMA__)
   if (takes_few(part, k, rows)) return few_outputs<F>(c, rows, rows_of_part, part.first_output, k, y, n, begin, end);
 #endif
-#if defined(KEV_WOVEN)
-  Woven woven;
-#endif
   // chunks of equal, even size (200 rows: 100 + 100, not 192 + 8; with 128-row chunks, 76 + 76 ran
   // 1.03-1.07x faster on Q5_0 than 128 + 24, the same elsewhere)
   const int64_t chunks = (rows + ROW_CHUNK - 1) / ROW_CHUNK, size = ((rows + chunks - 1) / chunks + 1) / 2 * 2;
+#if defined(KEV_WOVEN)
+  // Over several chunks, each output's groups are decoded and woven once ([output][group]), not once a chunk:
+  // 1.02-1.07x at 100-256 rows on Qwen2.5-0.5B's matrices (AVX2-only AMD EPYC, 2 threads), the same at one
+  // chunk. The outputs four_outputs takes in every chunk decode their own, as before.
+  const bool reuse = prepared != nullptr && chunks > 1;
+  int64_t always_paired = 0;
+#if defined(KEV_PAIRS)
+  if (std::min(size, rows - (chunks - 1) * size) >= PAIR_MIN_ROWS) always_paired = (end - begin) / 4 * 4;
+#endif
+  for (int64_t o = begin + always_paired; reuse && o < end; ++o)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      Prepared& p = prepared[(o - begin) * groups + gi];
+      decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
+      weave<F>(g, p.woven);
+      std::copy(g.scale, g.scale + 8, p.scale);
+      std::copy(g.min, g.min + 8, p.min);
+    }
+  Woven woven;
+#endif
   for (int64_t r0 = 0; r0 < rows; r0 += size) {
     const int64_t count = std::min(size, rows - r0);
     int64_t paired = 0;  // outputs begin .. begin+paired-1 take four_outputs
@@ -114,14 +152,20 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
 #endif
       for (int64_t o = begin + paired; o < end; ++o) {
         float* out = acc + (o - begin) * count * 8;
-        decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
 #if defined(KEV_WOVEN)
+        if (reuse) {
+          const Prepared& p = prepared[(o - begin) * groups + gi];
+          woven_rows<F>(p.woven, p.scale, p.min, c, r0, count, gi, out);
+          continue;
+        }
         if (c.woven != nullptr) {
+          decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
           weave<F>(g, woven);
-          woven_rows<F>(woven, g, c, r0, count, gi, out);
+          woven_rows<F>(woven, g.scale, g.min, c, r0, count, gi, out);
           continue;
         }
 #endif
+        decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = r0 + r, b = row * c.blocks + gi * 8;
           accumulate<F>(g, c.q + row * c.stride + gi * GROUP, c.scale + b, c.sum + b, c.scaled_sum + b, out + r * 8);
@@ -132,9 +176,7 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
     for (int64_t o = begin; o < begin + paired; o += 4)
       store_four(acc + (o - begin) * count * 8, count, y + r0 * n + part.first_output + o, n);
 #endif
-    for (int64_t o = begin + paired; o < end; ++o)
-      for (int64_t r = 0; r < count; ++r)
-        y[(r0 + r) * n + part.first_output + o] = static_cast<Y>(lanes_sum(acc + ((o - begin) * count + r) * 8));
+    store_rows(acc + paired * count * 8, count, end - begin - paired, y + r0 * n + part.first_output + begin + paired, n);
   }
 }
 
@@ -162,11 +204,18 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     Group g;
     std::vector<float> acc(TILE * ROW_CHUNK * 8);
+#if defined(KEV_WOVEN)
+    // where rows come in several chunks (part_outputs), left uninitialised: weave fills what is read
+    std::unique_ptr<Prepared[]> prepared(c.woven != nullptr && rows > ROW_CHUNK ? new Prepared[TILE * (c.blocks / 8)] : nullptr);
+    Prepared* each = prepared.get();
+#else
+    Prepared* each = nullptr;
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       if (t + 1 < t1 && !takes_few(*tasks[t + 1].part, layout.k, rows)) prefetch(tasks[t + 1], base, layout.k);
       const Part& p = *tasks[t].part;
       auto run = [&](auto format) {
-        part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data());
+        part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data(), each);
       };
       switch (p.format) {
         case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;

@@ -4,6 +4,8 @@
 
 namespace block_kernels {
 
+struct Prepared;  // below, with AVX2; the plain build passes none
+
 #if defined(__AVX2__) && defined(__FMA__)
 // Many rows: the weight group decoded once per chunk of rows and woven (transpose_pieces), then per row eight
 // dot products into one register whose lane j is block j's dot: the integers few_dots and accumulate make,
@@ -119,13 +121,19 @@ inline void weave(const Group& g, Woven& out) {
     for (int j = 0; j < 8; ++j) out.lo[j] = g.lane_scale[j][0], out.hi[j] = g.lane_scale[j][4];
 }
 
+// A weight group as the chunks after the first find it (part_outputs): woven, with its block scales and mins.
+struct Prepared {
+  Woven woven;
+  alignas(32) float scale[8], min[8];
+};
+
 // The chunk's rows against one woven group: its eight pieces stay in registers across the rows.
 template <int64_t F>
-inline void woven_rows(const Woven& w, const Group& g, const Codes& c, int64_t r0, int64_t count, int64_t gi,
-                       float* acc) {
+inline void woven_rows(const Woven& w, const float* scales, const float* mins, const Codes& c, int64_t r0, int64_t count,
+                       int64_t gi, float* acc) {
   __m256i u[8];
   for (int piece = 0; piece < 8; ++piece) u[piece] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + piece * 32));
-  const __m256 scale = _mm256_load_ps(g.scale), min = _mm256_load_ps(g.min);
+  const __m256 scale = _mm256_load_ps(scales), min = _mm256_load_ps(mins);
   // the rows' fields walked by pointer, kept in registers: acc's float stores may alias c's, so each row
   // would otherwise reload them and multiply its offsets again
   const RowGroup* x = c.woven + gi * c.rows + r0;
