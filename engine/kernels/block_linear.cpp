@@ -133,8 +133,8 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
       Prepared& p = prepared[(o - begin) * groups + gi];
       decode<F>(rows_of_part + o * row_bytes, gi, nblocks, g);
       weave<F>(g, p.woven);
-      std::copy(g.scale, g.scale + 8, p.scale);
-      std::copy(g.min, g.min + 8, p.min);
+      _mm256_store_ps(p.scale, _mm256_load_ps(g.scale));
+      _mm256_store_ps(p.min, _mm256_load_ps(g.min));
     }
   Woven woven;
 #endif
@@ -238,33 +238,34 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& packed, int6
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0) return y;
   const int64_t blocks = (k + GROUP - 1) / GROUP * 8;
-  std::vector<int8_t> q(rows * blocks * QB);
-  std::vector<float> scale(rows * blocks), scaled(rows * blocks);
-  std::vector<int32_t> sum(rows * blocks);
+  // uninitialised: quantize_row writes every block of every row, fill_row_group every field read
+  const std::unique_ptr<int8_t[]> q(new int8_t[rows * blocks * QB]);
+  const std::unique_ptr<float[]> scale(new float[rows * blocks]), scaled(new float[rows * blocks]);
+  const std::unique_ptr<int32_t[]> sum(new int32_t[rows * blocks]);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      int8_t* codes = q.data() + r * blocks * QB;
-      float *s = scale.data() + r * blocks, *ss = scaled.data() + r * blocks;
-      int32_t* total = sum.data() + r * blocks;
+      int8_t* codes = q.get() + r * blocks * QB;
+      float *s = scale.get() + r * blocks, *ss = scaled.get() + r * blocks;
+      int32_t* total = sum.get() + r * blocks;
       if (x.scalar_type() == at::ScalarType::Float)
         quantize_row(x.data_ptr<float>() + r * k, k, codes, s, total, ss, blocks);
       else
         quantize_row(x.data_ptr<at::BFloat16>() + r * k, k, codes, s, total, ss, blocks);
     }
   });
-  Codes c{q.data(), scale.data(), sum.data(), scaled.data(), blocks * QB, blocks};
+  Codes c{q.get(), scale.get(), sum.get(), scaled.get(), blocks * QB, blocks};
 #if defined(KEV_WOVEN)
-  std::vector<RowGroup> woven;
+  std::unique_ptr<RowGroup[]> woven;
   if (std::any_of(layout.parts.begin(), layout.parts.end(), [&](const Part& p) { return !takes_few(p, k, rows); })) {
     const int64_t groups = blocks / 8;  // few rows take few_dots, which reads the codes as they are
     const bool q6k = std::any_of(layout.parts.begin(), layout.parts.end(), [](const Part& p) { return p.format == Q6_K; });
-    woven.resize(groups * rows);
+    woven.reset(new RowGroup[groups * rows]);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t gi = 0; gi < groups; ++gi)
           fill_row_group(c, r, gi, q6k, woven[gi * rows + r]);
     });
-    c.woven = woven.data(), c.rows = rows;
+    c.woven = woven.get(), c.rows = rows;
   }
 #endif
   const auto* base = packed.data_ptr<uint8_t>();
