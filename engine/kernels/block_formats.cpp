@@ -69,6 +69,37 @@ struct RowGroup {
   int32_t halves[2][8];
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One fp32 block as quantize_row makes it, 8 values a step: max ignores a NaN as std::max(amax, |v|) does
+// (vmaxps returns its second operand), vcvtps2dq rounds to nearest even as nearbyint does here, and a NaN's
+// INT_MIN clamps to -127 as static_cast's does. The same codes, scale and sums.
+inline void quantize_block8(const float* x, int8_t* q, float& scale, int32_t& sum, float& scaled_sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + i * 8), amax = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), amax);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = 0.f;
+  for (float lane : lanes) m = std::max(m, lane);
+  const float d = m / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+  __m256i c[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))), _mm256_set1_epi32(-127)),
+                            _mm256_set1_epi32(127));
+    total = _mm256_add_epi32(total, c[i]);
+  }
+  // int32 -> int8 in order: packs work within 128-bit lanes, the permute puts the lanes back in order
+  const __m256i words = _mm256_packs_epi32(c[0], c[1]), words2 = _mm256_packs_epi32(c[2], c[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  alignas(32) int32_t parts[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+  int32_t t = 0;
+  for (int32_t part : parts) t += part;
+  scale = d, sum = t, scaled_sum = d * static_cast<float>(t);
+}
+#endif
+
 template <typename X>
 void quantize_row(const X* x, int64_t k, int8_t* q, float* scale, int32_t* sum, float* scaled_sum, int64_t blocks) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -77,6 +108,12 @@ void quantize_row(const X* x, int64_t k, int8_t* q, float* scale, int32_t* sum, 
       scale[b] = 0.f, sum[b] = 0, scaled_sum[b] = 0.f;
       continue;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<X, float>) {
+      quantize_block8(x + b * QB, q + b * QB, scale[b], sum[b], scaled_sum[b]);
+      continue;
+    }
+#endif
     float v[QB], amax = 0.f;
     for (int i = 0; i < QB; ++i) {
       v[i] = static_cast<float>(x[b * QB + i]);
