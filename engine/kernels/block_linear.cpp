@@ -144,7 +144,8 @@ void part_outputs(const Codes& c, int64_t rows, const uint8_t* base, const Part&
 #if defined(KEV_PAIRS)
     if (c.woven != nullptr && count >= PAIR_MIN_ROWS) paired = (end - begin) / 4 * 4;
 #endif
-    std::fill(acc, acc + (end - begin) * count * 8, 0.f);  // acc: [output][row][8], a quad [row][pair][16]
+    // acc: [output][row][8], a quad [row][pair][16]; woven_rows starts its outputs' chains without reading it
+    std::fill(acc, acc + (c.woven != nullptr ? paired : end - begin) * count * 8, 0.f);
     for (int64_t gi = 0; gi < groups; ++gi) {
 #if defined(KEV_PAIRS)
       for (int64_t o = begin; o < begin + paired; o += 4)

@@ -128,9 +128,9 @@ struct Prepared {
 };
 
 // The chunk's rows against one woven group: its eight pieces stay in registers across the rows.
-template <int64_t F>
-inline void woven_rows(const Woven& w, const float* scales, const float* mins, const Codes& c, int64_t r0, int64_t count,
-                       int64_t gi, float* acc) {
+template <int64_t F, bool fresh>
+inline void woven_chains(const Woven& w, const float* scales, const float* mins, const Codes& c, int64_t r0, int64_t count,
+                         int64_t gi, float* acc) {
   __m256i u[8];
   for (int piece = 0; piece < 8; ++piece) u[piece] = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.u + piece * 32));
   const __m256 scale = _mm256_load_ps(scales), min = _mm256_load_ps(mins);
@@ -174,8 +174,17 @@ inline void woven_rows(const Woven& w, const float* scales, const float* mins, c
           _mm256_mullo_epi32(_mm256_sub_epi32(first, _mm256_slli_epi32(h0, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.lo))),
           _mm256_mullo_epi32(_mm256_sub_epi32(second, _mm256_slli_epi32(h1, 5)), _mm256_load_si256(reinterpret_cast<const __m256i*>(w.hi))));
     }
-    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, x->scale, x->sum, x->scaled_sum, _mm256_loadu_ps(acc + r * 8)));
+    const __m256 before = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * 8);
+    _mm256_storeu_ps(acc + r * 8, settle<F>(first, scale, min, x->scale, x->sum, x->scaled_sum, before));
   }
+}
+
+// The first group's chains start from +0 (what a zeroed acc holds) without reading acc, which is not zeroed.
+template <int64_t F>
+inline void woven_rows(const Woven& w, const float* scales, const float* mins, const Codes& c, int64_t r0, int64_t count,
+                       int64_t gi, float* acc) {
+  if (gi == 0) woven_chains<F, true>(w, scales, mins, c, r0, count, gi, acc);
+  else woven_chains<F, false>(w, scales, mins, c, r0, count, gi, acc);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
