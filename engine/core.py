@@ -23,6 +23,7 @@ from engine.forward_audit import ForwardAudit
 from engine.intake import QuestionRejected, acquire_adapter, prepare_prompt, unknown_fields
 from engine.kernels.backend import FLASH
 from engine.kernels.flash import FlashAttention
+from engine.kernels.heap import give_back_freed_pages
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache import KVCache, cache_dtype, plan_num_blocks
 from engine.model.logprobs import attach_logprobs
@@ -276,6 +277,8 @@ class EngineCore:
                 self.scheduler.finish(seq, Status.ERROR)
             events.deltas = self._detokenize(new_tokens)
         finished = self.scheduler.take_finished()
+        if finished and not self.scheduler.has_work:  # gone idle: the steps' freed buffers back to the system
+            give_back_freed_pages()
         for hook in self.hooks:
             hook.ended(finished)
         events.answers = [self._answer(seq) for seq in finished]
