@@ -212,7 +212,8 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
   const bool claimed = c.woven != nullptr;
   at::parallel_for(0, claimed ? std::min(threads, total) : total, 1, [&](int64_t begin, int64_t end) {
     Group g;
-    std::vector<float> acc(TILE * ROW_CHUNK * 8);
+    // uninitialised: part_outputs zeroes what pairs and the plain path read, woven chains start from +0
+    const std::unique_ptr<float[]> acc(new float[TILE * ROW_CHUNK * 8]);
 #if defined(KEV_WOVEN)
     // where rows come in several chunks (part_outputs), left uninitialised: weave fills what is read
     std::unique_ptr<Prepared[]> prepared(c.woven != nullptr && rows > ROW_CHUNK ? new Prepared[TILE * (c.blocks / 8)] : nullptr);
@@ -225,7 +226,7 @@ void multiply_rows(const Codes& c, int64_t rows, const uint8_t* base, const Layo
         if (t + 1 < t1 && !takes_few(*tasks[t + 1].part, layout.k, rows)) prefetch(tasks[t + 1], base, layout.k);
         const Part& p = *tasks[t].part;
         auto run = [&](auto format) {
-          part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.data(), each);
+          part_outputs<decltype(format)::value>(c, rows, base, p, layout.k, y, n, tasks[t].begin, tasks[t].end, g, acc.get(), each);
         };
         switch (p.format) {
           case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
