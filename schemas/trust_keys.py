@@ -10,13 +10,14 @@ import hashlib
 import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from schemas.kafka_config import ALL_TRUST_SCOPES, TrustConfig, TrustKey
+
+if TYPE_CHECKING:  # cryptography (~7 MiB resident) is imported where an Ed25519 key is first made or used
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 MIN_SECRET_CHARS = 16
 
@@ -57,6 +58,8 @@ class Ed25519Key:
         return self.private.sign(message).hex().encode()
 
     def verify(self, message: bytes, given: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
         try:
             self.public.verify(bytes.fromhex(given.decode("ascii")), message)
         except (InvalidSignature, ValueError):  # not hex, not 64 bytes, or not this key's signature
@@ -100,6 +103,8 @@ def _ed25519_key(key_id: str, spec: TrustKey, scopes: frozenset[str]) -> Ed25519
     if spec.private_key is None and spec.public_key is None:
         raise TrustKeyError(f"kafka.trust: key {key_id!r} has neither a secret nor an Ed25519 public_key or "
                             "private_key")
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
     private = None
     if spec.private_key is not None:
         private = Ed25519PrivateKey.from_private_bytes(_raw32(key_id, "private_key", spec.private_key))
@@ -121,11 +126,15 @@ def _raw32(key_id: str, name: str, text: str) -> bytes:
 
 
 def public_key_text(public: Ed25519PublicKey) -> str:
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     return base64.b64encode(public.public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
 
 
 def new_ed25519_pair() -> tuple[str, str]:
     """A fresh (private_key, public_key), as kafka.trust.keys takes them."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private = Ed25519PrivateKey.generate()
     seed = private.private_bytes_raw()
     return base64.b64encode(seed).decode(), public_key_text(private.public_key())

@@ -3,13 +3,23 @@ endpoints, not the OpenAI ones, because only they take token ids, tokenize text 
 
 from __future__ import annotations
 
+import http.client
+import json
+from dataclasses import dataclass
 from urllib.parse import urlsplit
-
-import httpx
 
 from kev_async.bench.process_memory import LOCAL_HOSTS, listening_pid
 
 START_HINT = "llama-server -m MODEL.gguf -np 1 -t 2 --port 8081"
+
+
+@dataclass(frozen=True)
+class Response:
+    status_code: int
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
 
 
 class PeerError(RuntimeError):
@@ -23,8 +33,8 @@ class LlamaServer:
         url = url.rstrip("/").removesuffix("/v1")
         if not url.startswith(("http://", "https://")):
             raise PeerError(f"--url {url!r}: give an http:// or https:// URL, e.g. http://127.0.0.1:8081")
-        self.url = url
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.url, self.timeout_s = url, timeout_s
+        self._connection: http.client.HTTPConnection | None = None
 
     def props(self) -> dict:
         response = self._call("GET", "/props")
@@ -66,15 +76,35 @@ class LlamaServer:
                             "(it reused a cache): its prefill speed would be wrong")
         return list(data.get("tokens") or []), timings
 
-    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        try:
-            return self.client.request(method, self.url + path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise PeerError(f"cannot reach {self.url}{path}: {exc!r}; start llama-server first, e.g. "
-                            f"{START_HINT}") from None
+    def _call(self, method: str, path: str, json: dict | None = None) -> Response:
+        """One request on a kept-alive connection (the standard library's: this client runs in the process
+        whose memory the benchmark reports as Kev's, and httpx would add its CLI's rich and click to it)."""
+        body = None if json is None else _dumps(json).encode()
+        for attempt in range(2):  # a kept-alive connection the server closed is opened again, once
+            try:
+                connection = self._connection or self._connect()
+                connection.request(method, urlsplit(self.url).path + path, body=body,
+                                   headers={"Content-Type": "application/json"} if body is not None else {})
+                reply = connection.getresponse()
+                return Response(reply.status, reply.read().decode("utf-8", "replace"))
+            except (OSError, http.client.HTTPException) as exc:
+                self._connection = None
+                if attempt or isinstance(exc, (ConnectionRefusedError, TimeoutError)):
+                    raise PeerError(f"cannot reach {self.url}{path}: {exc!r}; start llama-server first, e.g. "
+                                    f"{START_HINT}") from None
+        raise AssertionError("unreachable")
+
+    def _connect(self) -> http.client.HTTPConnection:
+        parts = urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._connection = kind(parts.hostname, parts.port, timeout=self.timeout_s)
+        return self._connection
 
 
-def _json(response: httpx.Response, path: str) -> dict:
+_dumps = json.dumps  # `json` is _call's parameter name, as httpx's was
+
+
+def _json(response: Response, path: str) -> dict:
     try:
         data = response.json()
     except ValueError:
