@@ -48,3 +48,11 @@ def test_a_fresh_lock_is_left_to_the_build_that_holds_it(tmp_path):
     extension._clear_stale_lock(name)
     assert os.path.exists(lock)
     os.remove(lock)
+
+
+def test_the_build_directory_is_torch_s_own(monkeypatch, tmp_path):
+    """Kev finds a built kernel where torch's builder put it without importing the builder (setuptools,
+    ~4 MiB in every serving process): the same path as torch's, by default and under TORCH_EXTENSIONS_DIR."""
+    assert extension.build_directory("kev_probe") == _get_build_directory("kev_probe", verbose=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extension.build_directory("kev_probe") == _get_build_directory("kev_probe", verbose=False)

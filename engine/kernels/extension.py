@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import sys
 import time
 
 import structlog
@@ -49,15 +50,27 @@ def build(stem: str, sources: list[pathlib.Path], functions: list[str], cflags: 
 def _import_built(name: str):
     """The library an earlier build left, imported directly: load_inline would re-run ninja under a lock
     file on every start, and a process killed while holding that lock leaves later starts waiting on it."""
-    from torch.utils.cpp_extension import _get_build_directory  # as above: setuptools, only when loading a build
-
-    library = os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")
+    library = os.path.join(build_directory(name), f"{name}.so")
     spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or not os.path.exists(library):
         raise FileNotFoundError(library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_directory(name: str) -> str:
+    """Where torch's builder puts module `name` (torch.utils.cpp_extension._get_build_directory's path, made
+    here without importing that module: it pulls in setuptools, ~4 MiB resident in every serving process)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch._appdirs import user_cache_dir
+
+        accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+                       f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")), f"{python}_{accelerator}")
+    return os.path.join(root, name)
 
 
 def _clear_stale_lock(name: str) -> None:
