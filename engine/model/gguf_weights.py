@@ -3,7 +3,8 @@
 `weights: auto` on a GGUF whose matrices are all in a block format Kev multiplies as stored
 (engine/kernels/block_weight.py FORMATS: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) reads each matrix's
 bytes from the file straight into a BlockWeight: the model holds about the file's size and no
-full-precision copy of it is ever made. Other tensors (norms, biases, an embedding table in another
+full-precision copy of it is ever made. An embedding table beside its own output head stays in the file
+(FileTable), read by row. Other tensors (norms, biases, an embedding table in another
 format) are dequantized one at a time. Names and row orders are transformers' own: its GGUF name map
 and its tensor processors (Llama's q/k rows are stored permuted by llama.cpp's converter; a row being
 whole blocks, the permutation moves bytes and changes no value).
