@@ -197,7 +197,8 @@ def bench_peer(model, server: LlamaServer, *, info: dict | None = None, repeats:
                   steady=all(t == tokens[s][0] for s in tokens for t in tokens[s]), checked=checked,
                   kv_tokens=kev.kv_tokens, kv_dtype=str(kev.core.kv.k.dtype).removeprefix("torch."),
                   kev_memory=resident_mib(), llama_memory=pid and resident_mib(pid),
-                  kev_parts={"weights": model.weights.nbytes / 2**20, "KV pool": kev.core.kv.nbytes / 2**20})
+                  kev_parts={"weights": model.weights.nbytes / 2**20, "KV pool": kev.core.kv.nbytes / 2**20},
+                  file_table=_file_table_mib(model))
     _report(model, info, result, repeats, prompt_tokens, torch.get_num_threads(), out)
     return result
 
@@ -260,7 +261,17 @@ def _report(model, info: dict, r: dict, repeats: int, prompt_tokens: int, thread
         parts = r["kev_parts"]
         rest = r["kev_memory"]["now"] - sum(parts.values())
         out("  kev now: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in parts.items())
-            + f" ({r['kv_dtype']}), the rest {rest:,.0f} (Python, torch, the tokenizer, step buffers)")
+            + f" ({r['kv_dtype']}), the rest {rest:,.0f} (Python, torch, the tokenizer, step buffers)"
+            + (f"; the embedding table ({r['file_table']:,.0f}) is read from the file by row, not held"
+               if r.get("file_table") else ""))
+
+
+def _file_table_mib(model) -> float:
+    """MiB of an embedding table Kev leaves in its GGUF file (engine/model/gguf_weights.py FileTable), else 0."""
+    from engine.model.gguf_weights import FileTable
+
+    table = model.weights.embed
+    return table.shape.numel() // table.format.block * table.format.bytes / 2**20 if isinstance(table, FileTable) else 0.0
 
 
 def _memory_line(kev: dict | None, llama: dict | None) -> str:
