@@ -24,8 +24,10 @@ Deterministic within a process and across processes on one machine. On another B
 direction of step 4 and the products of step 5 may differ in the last bits, which moves a question only
 if its vector lies within that rounding of a hyperplane.
 
-Only the table is read, never the model: it is memory-mapped from the safetensors file, so a lookup reads
-its rows alone (the mean and principal direction read it once, about 0.4 s for SmolLM2's 49152 x 576).
+Only the table is read, never the model: it is memory-mapped from the safetensors file, or, for a GGUF whose
+blocks Kev keeps, its rows are read from the GGUF and dequantized as asked (WeightRows: the same float32
+values a conversion to safetensors would hold). A lookup reads its rows alone; the mean and principal
+direction read the table once (about 0.4 s for SmolLM2's 49152 x 576).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 class EmbeddingHash:
     """semantic_hash's bucket of a question, from a tokenizer (`tokenizers.Tokenizer`) and an embedding table."""
 
-    def __init__(self, table: np.ndarray, tokenizer, *, bits: int = BITS, seed: int = SEED) -> None:
+    def __init__(self, table: np.ndarray | WeightRows, tokenizer, *, bits: int = BITS, seed: int = SEED) -> None:
         self.table = table
         self.tokenizer = tokenizer
         self.bits = bits
@@ -63,24 +65,36 @@ class EmbeddingHash:
     @classmethod
     def from_model_dir(cls, path: str | Path, **options) -> EmbeddingHash:
         """From an HF-format directory (engine.model.loader.resolve_model_dir gives the built-in model's)."""
-        from tokenizers import Tokenizer
-
         path = Path(path)
-        if (path / "tokenizer.json").is_file():
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        else:  # a directory with a slow tokenizer's files only: transformers builds the fast one
-            from transformers import AutoTokenizer
+        return cls(embedding_table(path), _tokenizer(path), **options)
 
-            tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
-        return cls(embedding_table(path), tokenizer, **options)
+    @classmethod
+    def from_source(cls, source: str, **options) -> EmbeddingHash:
+        """For a model as `load_model` names it (a directory, a .gguf, a built-in name), without loading it.
+        A GGUF whose blocks Kev keeps is not converted: its table's rows are read from the file, the same
+        float32 values a conversion would write (`kev route` and a worker on that file agree)."""
+        from engine.model.gguf_weights import runs_as_stored
+        from engine.model.loader import gguf_file, resolve_model_dir
+
+        gguf = gguf_file(source)
+        if gguf is None or not runs_as_stored(gguf):
+            return cls.from_model_dir(resolve_model_dir(source), **options)
+        import torch
+        from transformers import AutoConfig
+
+        from engine.model.gguf_weights import GgufState, load_name_map
+
+        path = resolve_model_dir(source, weights=False)
+        state = GgufState(gguf, AutoConfig.from_pretrained(path), torch.float32, load_name_map(path))
+        return cls(weight_table(state[EMBEDDING_TENSOR]), _tokenizer(path), **options)
 
     @classmethod
     def for_model(cls, model, **options) -> EmbeddingHash:
-        """For a loaded engine.model.Model: its directory's table, or its weights' when it has no directory."""
-        if (model.path / "config.json").is_file():
+        """For a loaded engine.model.Model: its directory's safetensors table, or its weights' own where it
+        has none (a GGUF kept in blocks, or a model built in memory)."""
+        if _has_safetensors(model.path):
             return cls.from_model_dir(model.path, **options)
-        table = model.weights.embed.detach().float().cpu().numpy()
-        return cls(table, model.tokenizer.backend_tokenizer, **options)
+        return cls(weight_table(model.weights.embed), model.tokenizer.backend_tokenizer, **options)
 
     def reseeded(self, seed: int) -> EmbeddingHash:
         """The same rule under other hyperplanes (how a benchmark shows SEED is not a lucky pick)."""
@@ -120,6 +134,42 @@ def user_text(question: QuestionEvent) -> str:
     return "\n".join(m.content for m in question.messages or () if m.role == "user")
 
 
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    from transformers import AutoTokenizer  # a directory with a slow tokenizer's files only: it builds the fast one
+
+    return AutoTokenizer.from_pretrained(path).backend_tokenizer
+
+
+def _has_safetensors(path: Path | None) -> bool:
+    return path is not None and any((path / name).is_file()
+                                    for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+class WeightRows:
+    """A model's embedding weight kept in blocks (engine.kernels.block_weight), read as this module reads a
+    table: `[ids]` and `[start:stop]` give float32 rows, dequantized as they are read, never all at once."""
+
+    def __init__(self, weight) -> None:
+        self.weight, self.shape = weight, tuple(weight.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        import torch
+
+        ids = torch.arange(self.shape[0])[index] if isinstance(index, slice) else torch.as_tensor(index)
+        return self.weight.rows(ids.long(), torch.float32).numpy()
+
+
+def weight_table(weight) -> np.ndarray | WeightRows:
+    """The float32 table of a model's embedding weight: a dense tensor's values, or a block weight's rows."""
+    if hasattr(weight, "rows"):
+        return WeightRows(weight)
+    return weight.detach().float().cpu().numpy()
+
+
 def embedding_table(path: Path) -> np.ndarray:
     """The input embedding table of the model in `path`, memory-mapped from its safetensors (one file or
     shards named by model.safetensors.index.json); bf16 is widened to float32 in memory."""
@@ -139,14 +189,15 @@ def embedding_table(path: Path) -> np.ndarray:
     return table
 
 
-def _mean_and_top_direction(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _mean_and_top_direction(table: np.ndarray | WeightRows) -> tuple[np.ndarray, np.ndarray]:
     """The table's mean row and its covariance's top eigenvector (unit length), in float64."""
     rows, dim = table.shape
-    mean = table.mean(axis=0, dtype=np.float64)
-    gram = np.zeros((dim, dim))
+    total, gram = np.zeros(dim), np.zeros((dim, dim))
     for start in range(0, rows, _CHUNK_ROWS):  # float64 a chunk at a time: never the whole table twice over
         chunk = np.asarray(table[start:start + _CHUNK_ROWS], dtype=np.float64)
+        total += chunk.sum(axis=0)
         gram += chunk.T @ chunk
+    mean = total / rows
     _, vectors = np.linalg.eigh(gram / rows - np.outer(mean, mean))
     return mean, vectors[:, -1]
 

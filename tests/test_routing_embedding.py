@@ -109,3 +109,31 @@ def test_the_same_text_gets_the_same_bucket_in_another_process():
                            check=True, timeout=120)
     here = EmbeddingHash.from_model_dir(path)
     assert json.loads(there.stdout) == [here.signature(t) for t in TEXTS]
+
+
+def test_a_gguf_kept_in_blocks_routes_as_its_conversion_would(tmp_path, harness, smollm2_tokenizer):
+    """A worker serving a GGUF as stored has no safetensors to read the table from: it reads the rows from
+    the file (and `kev route` on that file does too, without converting it). Both see the float32 values a
+    conversion writes, so they pick the partition `kev route` would on the converted directory."""
+    from engine import EngineCore, load_model
+    from engine.model.loader import resolve_model_dir
+    from gguf_writer import write_llama_gguf
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 vocab_size=1024, num_hidden_layers=1)
+    formats = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
+               "ffn_up": "Q4_0", "ffn_down": "Q8_0", "output": "Q4_0", "token_embd": "Q4_K"}
+    gguf = write_llama_gguf(harness.build_hf_tiny("llama", seed=3, **shape), tmp_path / "tiny.gguf", formats,
+                            smollm2_tokenizer)
+    model = load_model(str(gguf), device="cpu", dtype="bf16")  # rows handed over in float32 all the same
+    assert model.weight_format == "gguf"
+    converted = EmbeddingHash.from_model_dir(resolve_model_dir(str(gguf)))
+    for semantic in (EmbeddingHash.for_model(model), EmbeddingHash.from_source(str(gguf))):
+        assert np.array_equal(semantic.center, converted.center) and np.array_equal(semantic.top, converted.top)
+        assert [semantic.signature(t) for t in TEXTS] == [converted.signature(t) for t in TEXTS]
+    core = EngineCore(model, harness.tiny_options(routing_strategy="semantic_hash", routing_buckets=8))
+    partitioner = Partitioner("semantic_hash", 8, semantic=converted)
+    question = q("g1", TEXTS[0], params=Params(max_new_tokens=1))
+    core.add(question)
+    answers = [a for _ in range(8) if core.has_work for a in core.step().answers]
+    assert answers[0].audit.routing_bucket == partitioner.partition(question)

@@ -151,10 +151,11 @@ class BlockWeight(RowWeight):
         out = self.op.block_linear(rows, self.packed, self.shape[0]).view(*lead, self.shape[0])
         return out + bias if bias is not None else out
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` dequantized, in the compute dtype (an embedding table kept in blocks)."""
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `ids` dequantized (the file's float32 values), in `dtype` or the compute dtype (an embedding
+        table kept in blocks)."""
         flat = self.op.block_rows(self.packed, ids.reshape(-1))
-        return flat.view(*ids.shape, self.shape[1]).to(self.dtype)
+        return flat.view(*ids.shape, self.shape[1]).to(dtype or self.dtype)
 
     def matrix(self) -> torch.Tensor:
         """The whole matrix dequantized (tests, and deterministic mode's tiles where it declines these)."""

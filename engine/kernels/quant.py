@@ -33,9 +33,9 @@ class Int8Weight:
         out = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return out + bias if bias is not None else out
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantised rows, for an embedding table stored as int8 (tied to the output head)."""
-        return (self.qweight[ids].to(torch.float32) * self.scales[ids, None].float()).to(self.dtype)
+        return (self.qweight[ids].to(torch.float32) * self.scales[ids, None].float()).to(dtype or self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return (self.qweight.float() * self.scales[:, None].float()).to(self.dtype)

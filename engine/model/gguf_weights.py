@@ -224,14 +224,14 @@ class FileTable(BlockWeight):
         if os.fstat(self._file.fileno()).st_size < info.offset + info.n_bytes:
             raise ValueError(f"{self.path} ends inside tensor {info.name}")
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         wanted, where = torch.unique(ids.reshape(-1), return_inverse=True)  # sorted: read in file order
         if wanted.numel() and not (0 <= int(wanted[0]) and int(wanted[-1]) < self.shape[0]):
             raise ValueError(f"embedding rows {int(wanted[0])} .. {int(wanted[-1])} asked of {self.shape[0]}")
         part = BlockTensor.blank(self.format, wanted.numel(), self.shape[1])
         self._read(wanted.tolist(), part.data.numpy())
         flat = self.op.block_rows(pack([part]), where)
-        return flat.view(*ids.shape, self.shape[1]).to(self.dtype)
+        return flat.view(*ids.shape, self.shape[1]).to(dtype or self.dtype)
 
     def _read(self, rows: list[int], out: np.ndarray) -> None:
         """Rows `rows` into out's rows, one read per run of consecutive rows."""

@@ -72,10 +72,9 @@ def semantic_hash(cfg):
         return None
     import structlog
 
-    from engine.model.loader import resolve_model_dir
     from engine.routing_embedding import EmbeddingHash
 
-    semantic = EmbeddingHash.from_model_dir(resolve_model_dir(cfg.core.model_path))
+    semantic = EmbeddingHash.from_source(cfg.core.model_path)
     structlog.get_logger("kev.route").info(
         "route.semantic_hash", model=cfg.core.model_path, vocabulary=semantic.table.shape[0], bits=semantic.bits,
         note="semantic_hash routes by the model's embedding layer; the system-prompt text hash is prefix_hash")
