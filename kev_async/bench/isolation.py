@@ -29,6 +29,9 @@ VARIANTS = {  # name -> (precision, KV dtype, core.matmul, core.weights)
     "bf16-int8-kv": ("bf16", "int8", "row_linear", "full"),
     "int8-weights": ("fp32", "auto", "row_linear", "int8"),
     "int8-weights-library": ("fp32", "auto", "library", "int8"),
+    # a GGUF's matrices kept in its block formats (core.weights: auto; "full" on a model that has none)
+    "gguf": ("fp32", "auto", "row_linear", "auto"),
+    "bf16-gguf": ("bf16", "auto", "row_linear", "auto"),
 }
 NEIGHBOURS = 4  # long neighbours packed beside the trace
 NEIGHBOUR_TOKENS = 900  # their contexts' tokens (less on a model with fewer positions)
@@ -111,15 +114,16 @@ def _variant(model_name: str, name: str, count: int, seeded: int, max_new_tokens
     greedy = [q.question_id for q in asked if not q.question_id.endswith("-seeded")]
     sampled = [q.question_id for q in asked if q.question_id.endswith("-seeded")]
     return dict(variant=name, dtype=str(model.dtype).removeprefix("torch."), kv_dtype=kv_dtype,
-                matmul=model.weights.matmul_kernel,
+                weights=model.weight_format, matmul=model.weights.matmul_kernel,
                 greedy_same=sum(solo[q] == packed[q] for q in greedy), greedy=len(greedy),
                 seeded_same=sum(solo[q] == packed[q] for q in sampled), seeded=len(sampled))
 
 
 def _report(rows: list[dict], model_name: str, out) -> None:
     out(f"\n{model_name}, {cpu_name()}; each answer alone vs packed beside {NEIGHBOURS} long neighbours")
-    out("| variant | dtype | KV | matmul | greedy identical | seeded identical | seconds |")
-    out("|---|---|---|---|---:|---:|---:|")
+    out("| variant | dtype | KV | weights | matmul | greedy identical | seeded identical | seconds |")
+    out("|---|---|---|---|---|---:|---:|---:|")
     for r in rows:
-        out(f"| {r['variant']} | {r['dtype']} | {r['kv_dtype']} | {r['matmul']} | {r['greedy_same']}/{r['greedy']} | "
+        out(f"| {r['variant']} | {r['dtype']} | {r['kv_dtype']} | {r['weights']} | {r['matmul']} | "
+            f"{r['greedy_same']}/{r['greedy']} | "
             f"{r['seeded_same']}/{r['seeded']} | {r['seconds']:.0f} |")
