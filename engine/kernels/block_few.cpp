@@ -9,15 +9,17 @@ namespace block_kernels {
 // win, measured per format on an AVX2-only AMD EPYC (Qwen2.5-0.5B's matrices and SmolLM2-shaped Q8_0 ones,
 // 1-24 rows). Without VNNI, Q8_0 weaves |w| beside w, which costs more than four rows' dot products: on a
 // matrix larger than the caches (Qwen's 145 MB head) few_dots won to 12 rows (1.2-1.9x at 4-12), on one
-// that fits them (SmolLM2's, 0.2-1.8 MB) to 4. Not measured with VNNI, where Q8_0 weaves as the others
-// do: there it stops at 3, as Q6_K. Every path gives a row the same bits, so the choice is speed alone.
+// that fits them (SmolLM2's, 0.2-1.8 MB) to 4. With VNNI (an Intel Xeon, Sapphire Rapids; matrices streamed
+// from memory, as a decode step reads them), few_dots won at 3-4 rows in each format measured (Q8_0, Q4_K,
+// Q5_0, Q6_K: 1.17-1.44x over weaving), and Q8_0's to 6 (0.99-1.21x; 0.86-1.12x at 8). Every path gives a
+// row the same bits, so the choice is speed alone.
 constexpr int64_t LARGE_BYTES = int64_t(32) << 20;
 
 constexpr int64_t few_rows(int64_t f, int64_t bytes) {
 #if !(defined(__AVX2__) && defined(__FMA__))
   return 0;  // the plain build: accumulate for every row count
 #elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return f == Q8_0 || f == Q6_K ? 3 : 2;
+  return f == Q8_0 ? 6 : 4;
 #else
   return f == Q8_0 ? (bytes > LARGE_BYTES ? 12 : 4) : f == Q6_K ? 3 : 2;
 #endif
