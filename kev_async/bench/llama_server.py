@@ -49,7 +49,7 @@ class LlamaServer:
 
     def tokenize(self, text: str) -> list[int]:
         """The server's token ids for `text`, special tokens in it parsed as such, none added."""
-        response = self._call("POST", "/tokenize", json={"content": text, "add_special": False,
+        response = self._call("POST", "/tokenize", payload={"content": text, "add_special": False,
                                                         "parse_special": True})
         tokens = _json(response, "/tokenize").get("tokens") if response.status_code == 200 else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
@@ -61,7 +61,7 @@ class LlamaServer:
         """Greedy tokens and llama.cpp's `timings` for one token-id prompt, nothing reused from a cache."""
         body = {"prompt": prompt_ids, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
                 "ignore_eos": ignore_eos, "return_tokens": True, "stream": False}
-        response = self._call("POST", "/completion", json=body)
+        response = self._call("POST", "/completion", payload=body)
         if response.status_code != 200:
             raise PeerError(f"{self.url}/completion answered HTTP {response.status_code}: {response.text[:300]!r} "
                             "(is it llama-server?)")
@@ -76,10 +76,10 @@ class LlamaServer:
                             "(it reused a cache): its prefill speed would be wrong")
         return list(data.get("tokens") or []), timings
 
-    def _call(self, method: str, path: str, json: dict | None = None) -> Response:
+    def _call(self, method: str, path: str, payload: dict | None = None) -> Response:
         """One request on a kept-alive connection (the standard library's: this client runs in the process
         whose memory the benchmark reports as Kev's, and httpx would add its CLI's rich and click to it)."""
-        body = None if json is None else _dumps(json).encode()
+        body = None if payload is None else json.dumps(payload).encode()
         for attempt in range(2):  # a kept-alive connection the server closed is opened again, once
             try:
                 connection = self._connection or self._connect()
@@ -99,9 +99,6 @@ class LlamaServer:
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         self._connection = kind(parts.hostname, parts.port, timeout=self.timeout_s)
         return self._connection
-
-
-_dumps = json.dumps  # `json` is _call's parameter name, as httpx's was
 
 
 def _json(response: Response, path: str) -> dict:
